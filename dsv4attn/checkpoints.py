@@ -1,0 +1,84 @@
+"""Checkpoint names of one attention layer: native (= this package's module tree), Hugging Face transformers
+``DeepseekV4Attention`` and DeepSeek's released checkpoints (spec decision 12).
+
+Native names mirror Hugging Face's except for the indexer, which here is a sibling of the compressor
+(``indexer.*``, as in DeepSeek's release) instead of living under ``compressor.indexer.*``.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+_TOP_HF = ["q_a_proj.weight", "q_a_norm.weight", "q_b_proj.weight", "kv_proj.weight", "kv_norm.weight",
+           "o_a_proj.weight", "o_b_proj.weight", "sinks"]
+_TOP_DS = ["wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv.weight", "kv_norm.weight", "wo_a.weight",
+           "wo_b.weight", "attn_sink"]
+_COMP_NATIVE = ["kv_proj.weight", "gate_proj.weight", "position_bias", "kv_norm.weight"]
+_COMP_DS = ["wkv.weight", "wgate.weight", "ape", "norm.weight"]
+
+
+def name_tables(compress_ratio: int) -> tuple[dict[str, str], dict[str, str]]:
+    """(native -> HF, native -> DeepSeek) key maps of a layer with ``compress_ratio``."""
+    to_hf = dict(zip(_TOP_HF, _TOP_HF))
+    to_ds = dict(zip(_TOP_HF, _TOP_DS))
+    if compress_ratio:
+        for native, ds in zip(_COMP_NATIVE, _COMP_DS):
+            to_hf[f"compressor.{native}"] = f"compressor.{native}"
+            to_ds[f"compressor.{native}"] = f"compressor.{ds}"
+    if compress_ratio == 4:
+        for native, ds in zip(_COMP_NATIVE, _COMP_DS):
+            to_hf[f"indexer.compressor.{native}"] = f"compressor.indexer.{native}"
+            to_ds[f"indexer.compressor.{native}"] = f"indexer.compressor.{ds}"
+        to_hf["indexer.q_b_proj.weight"] = "compressor.indexer.q_b_proj.weight"
+        to_hf["indexer.weights_proj.weight"] = "compressor.indexer.scorer.weights_proj.weight"
+        to_ds["indexer.q_b_proj.weight"] = "indexer.wq_b.weight"
+        to_ds["indexer.weights_proj.weight"] = "indexer.weights_proj.weight"
+    return to_hf, to_ds
+
+
+def to_hf_state_dict(layer) -> dict[str, torch.Tensor]:
+    """The layer's parameters under Hugging Face ``DeepseekV4Attention`` names."""
+    to_hf, _ = name_tables(layer.compress_ratio)
+    return {to_hf[k]: v for k, v in layer.state_dict().items()}
+
+
+def load_attention_state_dict(layer, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
+    """Copy ``state_dict`` (native, HF or DeepSeek names; one naming per call) into ``layer``.
+
+    Returns ``(missing, unexpected)`` lists of key names. With ``strict`` any missing or unexpected key, or a
+    shape mismatch, raises a ValueError that names them. Values are copied into the existing parameters, so
+    fp32 parameters stay fp32 whatever the checkpoint dtype.
+    """
+    to_hf, to_ds = name_tables(layer.compress_ratio)
+    native_keys = list(to_hf)
+    incoming = set(state_dict)
+    best = max((dict(zip(native_keys, native_keys)), to_hf, to_ds),
+               key=lambda table: len(incoming & set(table.values())))
+    from_external = {ext: native for native, ext in best.items()}
+    missing = [best[k] for k in native_keys if best[k] not in incoming]
+    unexpected = sorted(k for k in incoming if k not in from_external)
+    params = dict(layer.named_parameters())
+    shape_errors = []
+    for ext, value in state_dict.items():
+        native = from_external.get(ext)
+        if native is None:
+            continue
+        if tuple(value.shape) != tuple(params[native].shape):
+            shape_errors.append(f"{ext}: expected {tuple(params[native].shape)}, got {tuple(value.shape)}")
+    if strict and (missing or unexpected or shape_errors):
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing}")
+        if unexpected:
+            parts.append(f"unexpected keys {unexpected}")
+        if shape_errors:
+            parts.append(f"shape mismatches {shape_errors}")
+        raise ValueError(f"state_dict does not fit HybridAttention(ratio={layer.compress_ratio}): "
+                         + "; ".join(parts))
+    with torch.no_grad():
+        for ext, value in state_dict.items():
+            native = from_external.get(ext)
+            if native is not None and tuple(value.shape) == tuple(params[native].shape):
+                params[native].copy_(value)
+    return missing, unexpected

@@ -1,0 +1,162 @@
+"""HybridAttention: one DeepSeek-V4 attention layer (window-only, CSA or HCA) on a packed THD batch."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import checks
+from ..checkpoints import load_attention_state_dict
+from ..config import AttentionConfig, check_phase, check_ratio
+from ..ops import indexer_kl, indexer_topk, sparse_attention
+from ..ops.index_sets import Concat, Explicit, VisibleCompressed, Window
+from ..packing import PackedBatch, pack_batch
+from ..rope import apply_rope, layer_rope_frequencies
+from .common import AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm, rms_norm_unweighted
+from .compressor import Compressor
+from .indexer import Indexer
+
+
+class HybridAttention(KeepFp32Params):
+    """DeepSeek-V4 hybrid attention for ``compress_ratio`` 0 (window), 4 (CSA) or 128 (HCA).
+
+    ``layer(x, cu_seqlens=cu, max_seqlen=m, phase="sparse")`` maps packed rows ``x`` (T, hidden) to (T, hidden).
+    Per query row t of a document: one softmax (scale ``head_dim ** -0.5``) over the raw keys of its sliding
+    window, its compressed candidates and a per-head sink; queries are a shared low-rank path with per-head
+    RMSNorm and partial RoPE, keys = values = one RoPE'd KV head; the output gets inverse RoPE at t, then the
+    grouped and final projections. Compressed candidates: none (ratio 0); every visible entry (ratio 128, and
+    ratio 4 in the ``dense`` phase); the indexer's top-k (ratio 4, ``warmup`` and ``sparse``).
+
+    In training (``self.training`` and grad enabled) ratio-4 layers attach the indexer KL loss to the attention
+    output so that ``loss.backward()`` trains the indexer; ``self.indexer_loss`` holds its detached value
+    (``coeff * sum KL / real rows``; in the ``dense`` phase a zero that gives the indexer exact-zero gradients).
+    Capacity-padding rows (past ``cu_seqlens[-1]``) output 0 and get zero gradient.
+    """
+
+    _fp32_params = ("sinks",)
+
+    def __init__(self, config: AttentionConfig, compress_ratio: int):
+        super().__init__()
+        self.config = config
+        self.compress_ratio = check_ratio(compress_ratio)
+        c, H, D = config, config.num_attention_heads, config.head_dim
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, H * D, bias=False)
+        self.kv_proj = nn.Linear(c.hidden_size, D, bias=False)
+        self.kv_norm = RMSNorm(D, c.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(H * D // c.o_groups, c.o_lora_rank, c.o_groups)
+        self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.compressor = Compressor(c.hidden_size, D, compress_ratio, c.rms_norm_eps) if compress_ratio else None
+        self.indexer = (Indexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim, c.rms_norm_eps)
+                        if compress_ratio == 4 else None)
+        self._inv_freq = layer_rope_frequencies(config, compress_ratio)   # float64, not a buffer: never cast
+        self.indexer_loss: torch.Tensor | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Megatron's init: projections and positional biases N(0, initializer_range), norms 1, sinks 0."""
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name == "sinks":
+                nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def load_hf_state_dict(self, state_dict, strict: bool = True):
+        """Load Hugging Face ``DeepseekV4Attention`` names or DeepSeek's released names (decision 12).
+
+        Returns ``(missing, unexpected)`` key lists; with ``strict`` they raise a ValueError naming them.
+        """
+        return load_attention_state_dict(self, state_dict, strict=strict)
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None, phase: str = "sparse", cp_group=None,
+                pack: PackedBatch | None = None) -> torch.Tensor:
+        """Args:
+            hidden_states: (T, hidden_size) packed rows (documents back to back, then capacity padding).
+            cu_seqlens: (N+1,) int32 document boundaries; ``None`` = one document of T rows.
+            max_seqlen: host int >= the longest document (``None`` computes it: one device->host sync).
+            phase: ``"dense"`` | ``"warmup"`` | ``"sparse"`` (decision 8; only ratio-4 layers behave differently).
+            cp_group: context-parallel process group; must be ``None`` in this version (see the README status).
+            pack: a prebuilt :func:`dsv4attn.packing.pack_batch` result, shared by all layers of a model.
+        """
+        phase = check_phase(phase)
+        x = hidden_states
+        self._check_input(x, cu_seqlens)
+        if cp_group is not None:
+            raise ValueError("cp_group: context parallelism is not available in this version of dsv4attn; "
+                             "pass cp_group=None (see the README support table)")
+        if pack is None:
+            pack = pack_batch(cu_seqlens, x.shape[0], max_seqlen, device=x.device)
+        elif pack.total_rows != x.shape[0]:
+            raise ValueError(f"pack was built for {pack.total_rows} rows, hidden_states has {x.shape[0]}")
+        c, T, H, D = self.config, x.shape[0], self.config.num_attention_heads, self.config.head_dim
+        inv_freq = self._inv_freq
+        pos = pack.row_position
+
+        qr = self.q_a_norm(self.q_a_proj(x))
+        q = rms_norm_unweighted(self.q_b_proj(qr).view(T, H, D), c.rms_norm_eps)
+        q = apply_rope(q, pos, inv_freq)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), pos, inv_freq)
+
+        window = Window(pack, c.sliding_window)
+        keys, index_set, compressed = kv, window, None
+        if self.compress_ratio:
+            compressed = self.compressor(x, pack, inv_freq)
+            keys = torch.cat([kv, compressed.to(kv.dtype)], dim=0)   # compressed entry i sits at row T + i
+            layout = pack.compressed(self.compress_ratio)
+            if self.indexer is None or phase == "dense":
+                index_set = Concat(window, VisibleCompressed(layout, T, offset=T))
+
+        loss = None
+        if self.indexer is not None:
+            train_indexer = self.training and torch.is_grad_enabled()
+            if phase == "dense":
+                if train_indexer:  # indexer not run; its parameters still get exact-zero gradients (decision 8)
+                    loss = sum(p.sum() for p in self.indexer.parameters()) * 0.0
+            else:
+                index_q, index_k, index_w = self.indexer(x.detach(), qr.detach(), pack, inv_freq)
+                topk = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), layout, c.index_topk)
+                index_set = Concat(window, Explicit(topk, offset=T))
+                if train_indexer:
+                    loss = self._indexer_loss(q, kv, compressed, window, index_q, index_k, index_w,
+                                              topk if phase == "sparse" else layout, pack)
+
+        out, _ = sparse_attention(q, keys, index_set, self.sinks, c.softmax_scale)
+        self.indexer_loss = None if loss is None else loss.detach()
+        if loss is not None:
+            out = AttachLoss.apply(out, loss)
+        out = apply_rope(out, pos, inv_freq, inverse=True)   # out of place: never a view of `out` (9.1)
+        grouped = self.o_a_proj(out.reshape(T, c.o_groups, H * D // c.o_groups))
+        return self.o_b_proj(grouped.reshape(T, c.o_groups * c.o_lora_rank))
+
+    def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, selection, pack):
+        """coeff * sum_t KL_t / real rows. Teacher operands are detached (9.9); ``selection`` is the top-k
+        (sparse teacher) or the compressed layout (dense teacher over every visible entry, warm-up)."""
+        sinks = self.sinks.detach()
+        with torch.no_grad():
+            _, window_lse = sparse_attention(q.detach(), kv.detach(), window, sinks, self.config.softmax_scale)
+            outside_lse = torch.logaddexp(window_lse, sinks.to(window_lse.dtype))
+        if isinstance(selection, torch.Tensor):
+            candidates = Explicit(selection)
+        else:
+            candidates = VisibleCompressed(selection, pack.total_rows)
+        kl = indexer_kl(index_q, index_k, index_w, q.detach(), compressed.detach(), candidates, outside_lse,
+                        self.config.softmax_scale)
+        return self.config.indexer_loss_coeff * kl.sum() / pack.num_real_rows.clamp(min=1).to(kl.dtype)
+
+    def _check_input(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
+        hidden = self.config.hidden_size
+        checks.check_tensor("hidden_states", x, shape=(None, hidden),
+                            dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64))
+        weight_dtype = self.q_a_proj.weight.dtype
+        if x.dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(f"hidden_states has dtype {x.dtype} but the layer's parameters are {weight_dtype}; "
+                             f"cast one of them or run under torch.autocast")
+        if cu_seqlens is not None:
+            checks.check_tensor("cu_seqlens", cu_seqlens, device=x.device)
+        checks.check_finite("hidden_states", x)

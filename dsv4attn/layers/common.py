@@ -1,0 +1,79 @@
+"""Small building blocks shared by the attention layers."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class KeepFp32Params(nn.Module):
+    """Parameters named in ``_fp32_params`` stay (at least) fp32 when the module is cast (spec decision 11).
+
+    ``module.to(torch.bfloat16)`` / ``.half()`` would otherwise round them; the original values are kept, moved to
+    the new device, in fp32 (fp64 when the module is cast to fp64, for float64 checks).
+    """
+
+    _fp32_params: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        saved = {name: getattr(self, name).data for name in self._fp32_params}
+        super()._apply(fn, recurse)
+        for name, before in saved.items():
+            param = getattr(self, name)
+            want = torch.float64 if param.dtype == torch.float64 else torch.float32
+            if param.dtype != want:
+                param.data = before.to(device=param.device, dtype=want)
+        return self
+
+
+class RMSNorm(nn.Module):
+    """Weighted RMSNorm, computed in fp32 (fp64 for fp64 inputs) and cast back to the input dtype once."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cd = torch.promote_types(x.dtype, torch.float32)
+        y = x.to(cd)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.to(cd) * y).to(x.dtype)
+
+
+def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head unweighted RMSNorm of the queries (section 3.2 step 4), statistics in fp32."""
+    cd = torch.promote_types(x.dtype, torch.float32)
+    return x * torch.rsqrt(x.to(cd).pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection: group g of the input (T, G, in) maps through ``weight.view(G, out, in)[g]``.
+
+    ``weight`` is (G * out, in) as in HF ``o_a_proj`` / DeepSeek ``wo_a`` / Megatron ``linear_o_group_proj``.
+    """
+
+    def __init__(self, in_per_group: int, out_per_group: int, groups: int):
+        super().__init__()
+        self.groups, self.out_per_group = groups, out_per_group
+        self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.view(self.groups, self.out_per_group, -1)
+        return torch.einsum("tgi,goi->tgo", x, w)
+
+
+class AttachLoss(torch.autograd.Function):
+    """Identity on ``out``; its backward also feeds gradient 1 into ``loss`` (Megatron's loss auto-scaler).
+
+    This makes an ordinary ``lm_loss.backward()`` train the indexer through its own loss (decision 7).
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        shape, dtype, device = ctx.loss_meta
+        return grad_out, torch.ones(shape, dtype=dtype, device=device)

@@ -1,0 +1,35 @@
+"""Lightning indexer module (ratio-4 layers): queries, its own compressor, head weights."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..packing import PackedBatch
+from ..rope import apply_rope
+from .compressor import Compressor
+
+
+class Indexer(nn.Module):
+    """Produces what the indexer scores are made of; the caller passes *detached* inputs (invariant 9.9).
+
+    Returns ``(index_q (T, Hi, Di), index_k (capacity, Di), index_weights (T, Hi))``: queries from the normalised
+    low-rank query ``qr`` with RoPE at the row position, keys from its own ratio-4 compressor at ``Di``, weights
+    ``weights_proj(x) * Hi**-0.5 * Di**-0.5`` in fp32. The Hadamard rotation of Megatron's indexer is orthonormal
+    and leaves every score unchanged, so this bf16/fp32 path omits it (decision 6).
+    Parameters: ``q_b_proj``, ``weights_proj``, ``compressor.*``.
+    """
+
+    def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, head_dim
+        self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False)
+        self.compressor = Compressor(hidden_size, head_dim, ratio=4, eps=eps)
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, pack: PackedBatch, inv_freq: torch.Tensor):
+        T = x.shape[0]
+        index_q = apply_rope(self.q_b_proj(qr).view(T, self.n_heads, self.head_dim), pack.row_position, inv_freq)
+        index_k = self.compressor(x, pack, inv_freq)
+        cd = torch.promote_types(x.dtype, torch.float32)
+        index_weights = self.weights_proj(x).to(cd) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        return index_q, index_k, index_weights

@@ -1,0 +1,10 @@
+"""Stateless, autograd-aware ops. Each dispatches (``dsv4attn.backend``) between its readable reference and,
+where one exists, a fused kernel with the same signature."""
+from .compressor import compress_pool
+from .index_sets import Concat, Explicit, IndexSet, VisibleCompressed, Window
+from .indexer import indexer_topk
+from .indexer_loss import indexer_kl
+from .sparse_attention import sparse_attention
+
+__all__ = ["sparse_attention", "compress_pool", "indexer_topk", "indexer_kl", "IndexSet", "Explicit", "Window",
+           "VisibleCompressed", "Concat"]

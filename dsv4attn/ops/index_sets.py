@@ -1,0 +1,88 @@
+"""Per-query key index sets, produced chunk by chunk so that no (T, T)-sized tensor ever exists.
+
+An index set answers ``rows(start, end) -> (end - start, width) int64``: for each query row in ``[start, end)``
+the rows of a key tensor it may attend to, ``-1`` for an empty slot. Order inside a row does not matter (one
+softmax over the set), duplicates are not allowed. Sets combine with :class:`Concat` (disjoint key ranges, e.g.
+raw window rows followed by compressed rows at an offset).
+
+- :class:`Explicit`: a materialised (T, K) tensor (what ``sparse_attention(indices=...)`` takes, FlashMLA style).
+- :class:`Window`: raw rows ``max(doc start, t - window + 1) .. t`` (decision 3: both ends inclusive).
+- :class:`VisibleCompressed`: every compressed entry of the row's document with ``j < floor((t+1)/r)``
+  (decision 4), i.e. HCA and the dense CSA phase; width ``max_seqlen // r`` but built one chunk at a time.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..packing import CompressedLayout, PackedBatch
+
+
+class IndexSet(ABC):
+    width: int
+    total_rows: int
+
+    @abstractmethod
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """(end - start, width) int64 key rows of queries start..end-1, -1 for empty slots."""
+
+    def materialize(self) -> torch.Tensor:
+        """The whole (T, width) int64 tensor (tests and small batches only)."""
+        return self.rows(0, self.total_rows)
+
+
+class Explicit(IndexSet):
+    def __init__(self, indices: torch.Tensor, offset: int = 0):
+        self.indices, self.offset = indices, offset
+        self.total_rows, self.width = indices.shape
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        idx = self.indices[start:end].long()
+        return torch.where(idx >= 0, idx + self.offset, idx) if self.offset else idx
+
+
+class Window(IndexSet):
+    def __init__(self, pack: PackedBatch, window: int):
+        self.pack, self.width, self.total_rows = pack, window, pack.total_rows
+        self._start = pack.window_start(window)
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        row = torch.arange(start, end, device=self._start.device)
+        idx = self._start[start:end, None] + torch.arange(self.width, device=row.device)
+        valid = (idx <= row[:, None]) & self.pack.row_is_real[start:end, None]
+        return torch.where(valid, idx, torch.full_like(idx, -1))
+
+
+class VisibleCompressed(IndexSet):
+    def __init__(self, layout: CompressedLayout, total_rows: int, offset: int = 0):
+        self.layout, self.offset, self.total_rows = layout, offset, total_rows
+        self.width = layout.max_per_doc
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        lay = self.layout
+        j = torch.arange(self.width, device=lay.row_first_entry.device)
+        idx = lay.row_first_entry[start:end, None] + j + self.offset
+        valid = j[None, :] < lay.row_visible[start:end, None]
+        return torch.where(valid, idx, torch.full_like(idx, -1))
+
+
+class Concat(IndexSet):
+    def __init__(self, *parts: IndexSet):
+        self.parts = parts
+        self.total_rows = parts[0].total_rows
+        self.width = sum(p.width for p in parts)
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        return torch.cat([p.rows(start, end) for p in self.parts], dim=1)
+
+
+def as_index_set(indices: torch.Tensor | IndexSet) -> IndexSet:
+    return indices if isinstance(indices, IndexSet) else Explicit(indices)
+
+
+def chunk_rows(total_rows: int, per_row_elements: int, budget: int = 1 << 23):
+    """Yield (start, end) query chunks whose per-chunk working set stays under ``budget`` elements."""
+    step = max(1, budget // max(per_row_elements, 1))
+    for start in range(0, total_rows, step):
+        yield start, min(start + step, total_rows)

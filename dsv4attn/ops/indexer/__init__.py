@@ -1,0 +1,39 @@
+"""Lightning-indexer scores and deterministic top-k over visible compressed entries."""
+from __future__ import annotations
+
+import torch
+
+from ... import backend, checks
+from ...packing import CompressedLayout
+from ..index_sets import IndexSet, VisibleCompressed
+from .reference import index_scores, indexer_topk_reference
+
+
+def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, layout: CompressedLayout | IndexSet,
+                 topk: int) -> torch.Tensor:
+    """Top-k compressed entries per query row by indexer score.
+
+    Args:
+        q: (T, Hi, Di) indexer queries (RoPE applied).
+        k: (Nc, Di) indexer compressed keys (``layout.capacity`` rows, RoPE applied).
+        weights: (T, Hi) per-head weights, scales folded in.
+        layout: the ratio-4 :class:`CompressedLayout` (candidates = visible entries of the row's document), or
+            any :class:`IndexSet` of candidate rows of ``k`` listed in increasing order.
+        topk: k > 0.
+    Returns:
+        (T, min(topk, max_seqlen // 4)) int32 rows of ``k`` (global compressed index), best first, ties to the
+        lower index, -1 for empty slots.
+    """
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    checks.check_tensor("q", q, dim=3)
+    T, H, Di = q.shape
+    checks.check_tensor("k", k, shape=(None, Di), device=q.device)
+    checks.check_tensor("weights", weights, shape=(T, H), device=q.device)
+    candidates = VisibleCompressed(layout, T) if isinstance(layout, CompressedLayout) else layout
+    if backend.choose("indexer_topk", q.device) == "triton":
+        return backend.kernel("indexer_topk")(q, k, weights, candidates, topk)
+    return indexer_topk_reference(q, k, weights, candidates, topk)
+
+
+__all__ = ["indexer_topk", "indexer_topk_reference", "index_scores"]

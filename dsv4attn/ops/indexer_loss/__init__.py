@@ -1,0 +1,44 @@
+"""Indexer KL loss: teacher = the main attention's head-summed probabilities on the candidate set."""
+from __future__ import annotations
+
+import torch
+
+from ... import backend, checks
+from ..index_sets import IndexSet, as_index_set
+from .reference import FLT_MIN, indexer_kl_naive, indexer_kl_reference
+
+
+def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
+               compressed_kv: torch.Tensor, candidates: torch.Tensor | IndexSet, outside_lse: torch.Tensor,
+               softmax_scale: float | None = None) -> torch.Tensor:
+    """Per-row KL(teacher || student) of the indexer (see ``reference.py`` for the formula).
+
+    Args:
+        index_q: (T, Hi, Di) indexer queries; index_k: (Nc, Di) indexer compressed keys;
+        index_weights: (T, Hi) indexer head weights (scales folded in). These three get gradients.
+        q: (T, H, D) main-attention queries; compressed_kv: (Nc, D) main compressed KV (both detached here).
+        candidates: (T, C) int rows of ``index_k``/``compressed_kv`` forming S_t, -1 = empty (or an IndexSet).
+        outside_lse: (T, H) log attention mass outside S_t (window keys + sink), detached.
+        softmax_scale: main attention scale, default ``D ** -0.5``.
+    Returns:
+        (T,) fp32 (fp64 for fp64 inputs) KL per row; 0 for rows with an empty S_t (incl. padding rows).
+        The layer loss is ``coeff * kl.sum() / number_of_real_rows``.
+    """
+    checks.check_tensor("index_q", index_q, dim=3)
+    T, Hi, Di = index_q.shape
+    checks.check_tensor("index_k", index_k, shape=(None, Di), device=index_q.device)
+    checks.check_tensor("index_weights", index_weights, shape=(T, Hi), device=index_q.device)
+    checks.check_tensor("q", q, shape=(T, None, None), device=index_q.device)
+    checks.check_tensor("compressed_kv", compressed_kv, shape=(index_k.shape[0], q.shape[2]), device=q.device)
+    checks.check_tensor("outside_lse", outside_lse, shape=(T, q.shape[1]), device=q.device)
+    if isinstance(candidates, torch.Tensor):
+        checks.check_tensor("candidates", candidates, shape=(T, None), dtypes=(torch.int32, torch.int64))
+    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    cand = as_index_set(candidates)
+    if backend.choose("indexer_kl", index_q.device) == "triton":
+        return backend.kernel("indexer_kl")(index_q, index_k, index_weights, q, compressed_kv, outside_lse,
+                                            cand, scale)
+    return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand, scale)
+
+
+__all__ = ["indexer_kl", "indexer_kl_reference", "indexer_kl_naive", "FLT_MIN"]

@@ -1,0 +1,97 @@
+"""Reference indexer KL loss (spec decision 7, ALGORITHM.md section 5), per query row.
+
+For row t with candidate set S_t (compressed entries: all visible ones for the dense teacher of the warm-up
+phase, the selected top-k for the sparse phase)::
+
+    s_h(j)   = softmax_scale * <q[t, h], C_j>                           teacher logits (q, C detached)
+    L_h      = logaddexp(outside_lse[t, h], logsumexp_{j in S_t} s_h(j))  the *full* attention denominator
+    T(j)     = sum_h exp(s_h(j) - L_h) / max(sum_{j', h} ..., FLT_MIN)    head-summed, L1-normalised
+    Q(j)     = softmax_{j in S_t} I(t, j)                                  student, I = indexer score
+    KL_t     = sum_{j in S_t} T(j) (log T(j) - log Q(j))                   0 when S_t is empty
+
+``outside_lse`` is the log of the attention mass outside S_t: window keys plus the sink. Everything is computed in
+fp32 (fp64 for fp64 inputs). Only the student is differentiable (``index_q``, ``index_k``, ``index_weights``);
+the backward uses the closed form ``dKL/dI(j) = Q(j) * sum(T) - T(j)`` on S_t and recomputes chunk by chunk.
+Invalid slots (-1) contribute neither loss nor gradient.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..index_sets import IndexSet, chunk_rows
+from ..indexer.reference import index_scores
+
+FLT_MIN = torch.finfo(torch.float32).tiny
+
+
+def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand, scale):
+    """Student log-probabilities, normalised teacher and what the backward needs, for one chunk of rows."""
+    cd = torch.promote_types(index_q.dtype, torch.float32)
+    valid = cand >= 0
+    safe = cand.clamp(min=0)
+    keys_i = index_k[safe].to(cd)
+    scores = index_scores(index_q, keys_i, index_weights, valid)
+    has_any = valid.any(dim=-1, keepdim=True)
+    log_q = torch.log_softmax(torch.where(has_any, scores, torch.zeros_like(scores)), dim=-1)
+    log_q = torch.where(valid, log_q, torch.zeros_like(log_q))
+
+    logits = torch.einsum("chd,ckd->chk", q.to(cd), compressed_kv[safe].to(cd)) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    full_lse = torch.logaddexp(outside_lse.to(cd), torch.logsumexp(logits, dim=-1))
+    probs = torch.where(valid[:, None, :], torch.exp(logits - full_lse[..., None]), torch.zeros_like(logits))
+    mass = probs.sum(dim=1)                                               # (c, C) summed over heads
+    target = mass / mass.sum(dim=-1, keepdim=True).clamp(min=FLT_MIN)
+    kl = (torch.xlogy(target, target) - target * log_q).sum(dim=-1)
+    return kl, target, log_q, valid, keys_i
+
+
+class _IndexerKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: IndexSet,
+                scale: float):
+        T = index_q.shape[0]
+        cd = torch.promote_types(index_q.dtype, torch.float32)
+        kl = torch.zeros(T, dtype=cd, device=index_q.device)
+        per_row = candidates.width * (index_q.shape[1] + q.shape[1] + q.shape[2])
+        for s, e in chunk_rows(T, per_row):
+            kl[s:e] = _chunk(index_q[s:e], index_k, index_weights[s:e], q[s:e], compressed_kv,
+                             outside_lse[s:e], candidates.rows(s, e), scale)[0]
+        ctx.save_for_backward(index_q, index_k, index_weights, q, compressed_kv, outside_lse)
+        ctx.candidates, ctx.scale, ctx.per_row = candidates, scale, per_row
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        index_q, index_k, index_weights, q, compressed_kv, outside_lse = ctx.saved_tensors
+        cd = torch.promote_types(index_q.dtype, torch.float32)
+        d_q = torch.zeros(index_q.shape, dtype=cd, device=index_q.device)
+        d_k = torch.zeros(index_k.shape, dtype=cd, device=index_k.device)
+        d_w = torch.zeros(index_weights.shape, dtype=cd, device=index_q.device)
+        for s, e in chunk_rows(index_q.shape[0], ctx.per_row):
+            cand = ctx.candidates.rows(s, e)
+            _, target, log_q, valid, keys_i = _chunk(index_q[s:e], index_k, index_weights[s:e], q[s:e],
+                                                     compressed_kv, outside_lse[s:e], cand, ctx.scale)
+            student = torch.where(valid, log_q.exp(), torch.zeros_like(log_q))
+            d_scores = grad_kl[s:e, None].to(cd) * (student * target.sum(-1, keepdim=True) - target)
+            qi = index_q[s:e].to(cd)
+            dots = torch.einsum("chd,ckd->chk", qi, keys_i)
+            d_w[s:e] = (d_scores[:, None, :] * torch.relu(dots)).sum(-1)
+            d_dots = d_scores[:, None, :] * index_weights[s:e].to(cd)[..., None] * (dots > 0)
+            d_q[s:e] = torch.einsum("chk,ckd->chd", d_dots, keys_i)
+            d_keys = torch.einsum("chk,chd->ckd", d_dots, qi)
+            d_k.index_add_(0, cand[valid], d_keys[valid])
+        return (d_q.to(index_q.dtype), d_k.to(index_k.dtype), d_w.to(index_weights.dtype),
+                None, None, None, None, None)
+
+
+def indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: IndexSet,
+                         softmax_scale: float) -> torch.Tensor:
+    return _IndexerKL.apply(index_q, index_k, index_weights, q.detach(), compressed_kv.detach(),
+                            outside_lse.detach(), candidates, softmax_scale)
+
+
+def indexer_kl_naive(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: torch.Tensor,
+                     softmax_scale: float) -> torch.Tensor:
+    """Plain-autograd, unchunked version (tests compare the closed-form backward against it)."""
+    return _chunk(index_q, index_k, index_weights, q.detach(), compressed_kv.detach(), outside_lse.detach(),
+                  candidates.long(), softmax_scale)[0]

@@ -1,0 +1,147 @@
+"""Packed THD metadata, built once per batch from ``cu_seqlens`` (flash-attn varlen convention).
+
+A packed batch holds ``T`` rows: documents back to back (``cu_seqlens[b] .. cu_seqlens[b+1]``), then capacity
+padding rows ``cu_seqlens[-1] .. T``. Empty documents (``cu_seqlens[b] == cu_seqlens[b+1]``) are legal.
+Everything position-dependent resets at each document start (spec ALGORITHM.md section 7): RoPE positions,
+the sliding window, compressor groups (a tail shorter than the ratio makes no entry), compressed visibility
+and top-k candidates.
+
+Nothing here needs a device->host sync when the caller passes ``max_seqlen`` and value checks are off
+(:func:`dsv4attn.checks.set_checks`); capacities of compressed buffers are host ints derived from ``T``,
+``N`` and ``max_seqlen``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import checks
+
+
+@dataclass(frozen=True)
+class CompressedLayout:
+    """Where the compressed entries of ratio ``ratio`` live, for a packed batch.
+
+    Entries are stored document by document: document ``b`` owns ``n_b = L_b // ratio`` consecutive rows
+    starting at ``cu_compressed[b]``; rows past ``cu_compressed[-1]`` (up to ``capacity``) are padding.
+    """
+
+    ratio: int
+    capacity: int                   # host int: rows of every compressed buffer (>= total entries)
+    max_per_doc: int                # host int: max_seqlen // ratio, the widest visible set of any query
+    cu_compressed: torch.Tensor     # (N+1,) int64
+    entry_doc: torch.Tensor         # (capacity,) int64 document of each entry, N for padding entries
+    entry_index: torch.Tensor       # (capacity,) int64 index j of the entry inside its document
+    entry_first_row: torch.Tensor   # (capacity,) int64 packed row of the first token of group j (0 for padding)
+    entry_is_real: torch.Tensor     # (capacity,) bool
+    row_first_entry: torch.Tensor   # (T,) int64 first compressed row of the query row's document
+    row_visible: torch.Tensor       # (T,) int64 entries visible to the row: min((p+1)//r, n_b); 0 for padding
+    entry_position: torch.Tensor = field(init=False)  # (capacity,) int64 RoPE position j * ratio
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "entry_position", self.entry_index * self.ratio)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Per-row metadata of a packed THD batch (see the module docstring)."""
+
+    cu_seqlens: torch.Tensor        # (N+1,) int32
+    total_rows: int                 # T, host int
+    max_seqlen: int                 # host int, >= every document length
+    row_doc: torch.Tensor           # (T,) int64 document of each row, N for padding rows
+    row_position: torch.Tensor      # (T,) int64 position inside the document, 0 for padding rows
+    row_doc_start: torch.Tensor     # (T,) int64 packed row where the row's document starts (T for padding)
+    row_is_real: torch.Tensor       # (T,) bool, False for capacity padding
+    num_real_rows: torch.Tensor     # () int64 = cu_seqlens[-1], kept on device (no sync)
+    _layouts: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_docs(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens.device
+
+    def compressed(self, ratio: int) -> CompressedLayout:
+        """Layout of the ratio-``ratio`` compressed entries (built on first use, then cached)."""
+        if ratio not in self._layouts:
+            self._layouts[ratio] = _build_compressed_layout(self, ratio)
+        return self._layouts[ratio]
+
+    def window_start(self, window: int) -> torch.Tensor:
+        """(T,) int64 first raw row a query sees: max(document start, row - window + 1)."""
+        rows = torch.arange(self.total_rows, device=self.device)
+        return torch.maximum(self.row_doc_start, rows - (window - 1))
+
+
+def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int | None = None,
+               device: torch.device | None = None) -> PackedBatch:
+    """Build the :class:`PackedBatch` of a ``total_rows``-row batch.
+
+    Args:
+        cu_seqlens: (N+1,) int32, ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] <= total_rows``.
+            ``None`` means a single document of ``total_rows`` rows.
+        total_rows: T, rows of the packed tensors (documents + capacity padding).
+        max_seqlen: host int >= the longest document. ``None`` computes it (one device->host sync).
+        device: where to build the single-document ``cu_seqlens`` when it is ``None``.
+    """
+    if isinstance(total_rows, bool) or not isinstance(total_rows, int) or total_rows < 0:
+        raise ValueError(f"total_rows must be an int >= 0, got {total_rows!r}")
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, total_rows], dtype=torch.int32, device=device)
+        max_seqlen = total_rows if max_seqlen is None else max_seqlen
+    checks.check_cu_seqlens(cu_seqlens, total_rows)
+    if max_seqlen is None:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        max_seqlen = int(lengths.max().item()) if lengths.numel() else 0
+    checks.check_max_seqlen(max_seqlen, cu_seqlens)
+
+    cu = cu_seqlens.long()
+    rows = torch.arange(total_rows, device=cu.device)
+    # Document of row t: number of boundaries cu[b+1] <= t (right=True skips empty documents correctly).
+    row_doc = torch.searchsorted(cu[1:].contiguous(), rows, right=True)
+    row_is_real = rows < cu[-1]
+    starts = torch.cat([cu[:-1], cu.new_full((1,), total_rows)])
+    row_doc_start = starts[row_doc]
+    row_position = torch.where(row_is_real, rows - row_doc_start, torch.zeros_like(rows))
+    return PackedBatch(cu_seqlens=cu_seqlens, total_rows=total_rows, max_seqlen=max_seqlen, row_doc=row_doc,
+                       row_position=row_position, row_doc_start=row_doc_start, row_is_real=row_is_real,
+                       num_real_rows=cu[-1])
+
+
+def compressed_capacity(total_rows: int, num_docs: int, max_seqlen: int, ratio: int) -> int:
+    """Host-known bound on the number of compressed entries: min(T // r, N * (max_seqlen // r))."""
+    return min(total_rows // ratio, num_docs * (max_seqlen // ratio))
+
+
+def _build_compressed_layout(pack: PackedBatch, ratio: int) -> CompressedLayout:
+    cu = pack.cu_seqlens.long()
+    n_docs = pack.num_docs
+    per_doc = (cu[1:] - cu[:-1]) // ratio                      # tails shorter than the ratio make no entry
+    cu_comp = torch.cat([cu.new_zeros(1), per_doc.cumsum(0)])
+    capacity = compressed_capacity(pack.total_rows, n_docs, pack.max_seqlen, ratio)
+    entries = torch.arange(capacity, device=cu.device)
+    entry_doc = torch.searchsorted(cu_comp[1:].contiguous(), entries, right=True)
+    entry_is_real = entries < cu_comp[-1]
+    doc_safe = entry_doc.clamp(max=max(n_docs - 1, 0))
+    entry_index = torch.where(entry_is_real, entries - cu_comp[doc_safe] if n_docs else entries,
+                              torch.zeros_like(entries))
+    first_row = torch.where(entry_is_real, (cu[doc_safe] if n_docs else entries) + entry_index * ratio,
+                            torch.zeros_like(entries))
+
+    row_doc_safe = pack.row_doc.clamp(max=max(n_docs - 1, 0))
+    if n_docs:
+        row_first_entry = cu_comp[row_doc_safe]
+        row_n = per_doc[row_doc_safe]
+    else:
+        row_first_entry = torch.zeros_like(pack.row_doc)
+        row_n = torch.zeros_like(pack.row_doc)
+    visible = torch.minimum((pack.row_position + 1) // ratio, row_n)
+    visible = torch.where(pack.row_is_real, visible, torch.zeros_like(visible))
+    return CompressedLayout(ratio=ratio, capacity=capacity, max_per_doc=pack.max_seqlen // ratio,
+                            cu_compressed=cu_comp, entry_doc=entry_doc, entry_index=entry_index,
+                            entry_first_row=first_row, entry_is_real=entry_is_real,
+                            row_first_entry=row_first_entry, row_visible=visible)
