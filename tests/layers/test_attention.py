@@ -1,0 +1,304 @@
+"""HybridAttention on packed batches: packed == per document, phases, and the invariants of ALGORITHM.md section 9."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv4attn
+from dsv4attn.layers import attention as attention_module
+from layer_helpers import RAGGED, doc_slices, ragged_pack, randomize_
+
+PHASES = ["dense", "warmup", "sparse"]
+RATIOS = [0, 4, 128]
+RATIO_IDS = ["window", "csa", "hca"]
+
+
+def make_layer(ratio, seed=0, **overrides):
+    cfg = dsv4attn.AttentionConfig.tiny(**overrides)
+    return randomize_(dsv4attn.HybridAttention(cfg, ratio), seed=seed).double().train()
+
+
+def indexer_params(layer):
+    return {n: p for n, p in layer.named_parameters() if n.startswith("indexer.")}
+
+
+def backbone_params(layer):
+    return {n: p for n, p in layer.named_parameters() if not n.startswith("indexer.")}
+
+
+def run(layer, x, cu, max_len, phase, grad_out):
+    x = x.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    y = layer(x, cu_seqlens=cu, max_seqlen=max_len, phase=phase)
+    (y * grad_out).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return y.detach(), x.grad, grads, layer.indexer_loss
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("ratio", RATIOS, ids=RATIO_IDS)
+def test_packed_equals_per_document(ratio, phase):
+    """Output, input gradient, every parameter gradient and the indexer loss of one packed call equal the
+    per-document runs (backbone: sum over documents; indexer: sum weighted by L_b / real rows, because each
+    loss is normalised by its own real-row count)."""
+    torch.manual_seed(0)
+    layer = make_layer(ratio)
+    cu, T, max_len = ragged_pack()
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    g = torch.randn_like(x)
+    y, dx, grads, loss = run(layer, x, cu, max_len, phase, g)
+    n_real = int(cu[-1])
+
+    want_y, want_dx = torch.zeros_like(y), torch.zeros_like(dx)
+    want_grads = {n: torch.zeros_like(p) for n, p in grads.items()}
+    want_loss = 0.0
+    for doc in doc_slices(cu):
+        L = doc.stop - doc.start
+        if L == 0:
+            continue
+        y_b, dx_b, grads_b, loss_b = run(layer, x[doc], None, None, phase, g[doc])
+        want_y[doc], want_dx[doc] = y_b, dx_b
+        for n, gb in grads_b.items():
+            want_grads[n] += gb * (L / n_real if n.startswith("indexer.") else 1.0)
+        if loss_b is not None:
+            want_loss += float(loss_b) * L / n_real
+    tol = dict(rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(y, want_y, **tol)
+    torch.testing.assert_close(dx, want_dx, **tol)
+    assert set(grads) == set(want_grads)
+    for n in grads:
+        torch.testing.assert_close(grads[n], want_grads[n], **tol, msg=lambda m: f"{n}: {m}")
+    if ratio == 4 and phase != "dense":
+        assert float(loss) > 0
+        assert float(loss) == pytest.approx(want_loss, rel=1e-9)
+    assert (y[n_real:] == 0).all() and (dx[n_real:] == 0).all()
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("ratio", RATIOS, ids=RATIO_IDS)
+def test_capacity_padding_changes_nothing(ratio, phase):
+    """Padding rows (any values) output 0, get zero gradient and do not count in the loss."""
+    torch.manual_seed(1)
+    layer = make_layer(ratio)
+    cu, T0, max_len = ragged_pack(padding=0)
+    x0 = torch.randn(T0, layer.config.hidden_size, dtype=torch.float64)
+    g0 = torch.randn_like(x0)
+    y0, dx0, grads0, loss0 = run(layer, x0, cu, max_len, phase, g0)
+    pad = 13
+    x1 = torch.cat([x0, 50 * torch.randn(pad, x0.shape[1], dtype=x0.dtype)])
+    g1 = torch.cat([g0, torch.randn(pad, x0.shape[1], dtype=x0.dtype)])
+    y1, dx1, grads1, loss1 = run(layer, x1, cu, max_len, phase, g1)
+    assert (y1[T0:] == 0).all() and (dx1[T0:] == 0).all()
+    torch.testing.assert_close(y1[:T0], y0, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(dx1[:T0], dx0, rtol=1e-12, atol=1e-14)
+    for n in grads0:
+        torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-10, atol=1e-14)
+    if loss0 is not None:
+        assert float(loss1) == pytest.approx(float(loss0), rel=1e-12)
+
+
+@pytest.mark.parametrize("phase", ["warmup", "sparse"])
+def test_zero_coefficient_gives_exact_zero_indexer_gradients(phase):
+    """Invariant 9.5: with coefficient 0 the loss path runs and every indexer parameter gets a zero tensor."""
+    layer = make_layer(4, indexer_loss_coeff=0.0)
+    cu, T, max_len = ragged_pack()
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    _, _, grads, loss = run(layer, x, cu, max_len, phase, torch.randn_like(x))
+    assert float(loss) == 0.0
+    for n, p in indexer_params(layer).items():
+        assert p.grad is not None, n
+        assert (p.grad == 0).all(), n
+
+
+def test_dense_phase_gives_indexer_exact_zero_gradients():
+    """Decision 8: in the dense phase the indexer does not run, yet its parameters get zero gradients, so
+    optimizer state is identical in every phase."""
+    layer = make_layer(4)
+    calls = []
+    layer.indexer.register_forward_hook(lambda *a: calls.append(1))
+    cu, T, max_len = ragged_pack()
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    _, _, _, loss = run(layer, x, cu, max_len, "dense", torch.randn_like(x))
+    assert calls == [] and float(loss) == 0.0
+    for n, p in indexer_params(layer).items():
+        assert p.grad is not None and (p.grad == 0).all(), n
+
+
+@pytest.mark.parametrize("phase", ["warmup", "sparse"])
+def test_indexer_loss_never_reaches_the_backbone(phase):
+    """Invariant 9.9: the indexer loss alone (LM gradient 0) trains only the indexer."""
+    layer = make_layer(4)
+    cu, T, max_len = ragged_pack()
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    _, dx, grads, _ = run(layer, x, cu, max_len, phase, torch.zeros_like(x))
+    assert (dx == 0).all()
+    for n in backbone_params(layer):
+        assert n not in grads or (grads[n] == 0).all(), n
+    assert any(grads[n].abs().max() > 0 for n in indexer_params(layer))
+    for n in indexer_params(layer):
+        assert torch.isfinite(grads[n]).all(), n
+
+
+@pytest.mark.parametrize("phase", ["warmup", "sparse"])
+def test_lm_loss_never_reaches_the_indexer(phase):
+    """Invariant 9.9: with coefficient 0 the LM loss trains the backbone and sends exactly nothing to the
+    indexer (top-k is not differentiable, indexer inputs are detached)."""
+    layer = make_layer(4, indexer_loss_coeff=0.0)
+    cu, T, max_len = ragged_pack()
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    _, dx, grads, _ = run(layer, x, cu, max_len, phase, torch.randn_like(x))
+    assert dx.abs().max() > 0
+    for n in backbone_params(layer):
+        assert grads[n].abs().max() > 0, n
+    for n in indexer_params(layer):
+        assert (grads[n] == 0).all(), n
+
+
+def test_inverse_rope_does_not_alias_the_attention_output(monkeypatch):
+    """Invariant 9.1: the output inverse RoPE is out of place; the attention output autograd saved is intact."""
+    seen = []
+    real = attention_module.sparse_attention
+
+    def spy(*args, **kwargs):
+        out, lse = real(*args, **kwargs)
+        seen.append((out, out.clone()))
+        return out, lse
+
+    monkeypatch.setattr(attention_module, "sparse_attention", spy)
+    layer = make_layer(4)
+    cu, T, max_len = ragged_pack()
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64, requires_grad=True)
+    y = layer(x, cu_seqlens=cu, max_seqlen=max_len, phase="sparse")
+    y.square().sum().backward()
+    out, copy = seen[-1]
+    assert torch.equal(out, copy)
+
+
+def test_fp32_parameters_stay_fp32_under_bf16_cast():
+    """Decision 11: sinks and both compressors' positional biases stay fp32 (values intact) after .to(bf16)."""
+    layer = randomize_(dsv4attn.HybridAttention(dsv4attn.AttentionConfig.tiny(), 4))
+    names = ["sinks", "compressor.position_bias", "indexer.compressor.position_bias"]
+    before = {n: dict(layer.named_parameters())[n].detach().clone() for n in names}
+    layer.to(torch.bfloat16)
+    params = dict(layer.named_parameters())
+    for n in names:
+        assert params[n].dtype == torch.float32, n
+        assert torch.equal(params[n], before[n]), n
+    assert params["q_a_proj.weight"].dtype == torch.bfloat16
+    cu, T, max_len = ragged_pack()
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    y = layer.train()(x, cu_seqlens=cu, max_seqlen=max_len, phase="sparse")
+    y.float().square().sum().backward()
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    assert params["sinks"].grad.dtype == torch.float32
+    layer.double()
+    assert params["sinks"].dtype == torch.float64
+
+
+@pytest.mark.parametrize("ratio", [4, 128], ids=["csa", "hca"])
+def test_rows_before_the_first_compressed_entry_see_window_and_sink_only(ratio):
+    """Invariant 9.11: rows t < r - 1 see no compressed entry, so the compressor cannot change them."""
+    layer = make_layer(ratio)
+    L = 2 * ratio + 3
+    x = torch.randn(L, layer.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        y0 = layer(x, phase="dense")
+        layer.compressor.kv_proj.weight.mul_(3.0)
+        y1 = layer(x, phase="dense")
+    unchanged = (y0 - y1).abs().amax(-1) == 0
+    assert unchanged[: ratio - 1].all()
+    assert not unchanged[ratio - 1:].any()
+
+
+@pytest.mark.parametrize("ratio", [4, 128], ids=["csa", "hca"])
+def test_tails_are_not_compressed(ratio):
+    """Invariant 9.10: tokens after floor(L / r) * r are in no compressed entry."""
+    cfg = dsv4attn.AttentionConfig.tiny()
+    comp = randomize_(dsv4attn.Compressor(cfg.hidden_size, cfg.head_dim, ratio)).double()
+    L = 2 * ratio + ratio // 2 + 1
+    pack = dsv4attn.pack_batch(None, L, L)
+    inv_freq = dsv4attn.rope.layer_rope_frequencies(cfg, ratio)
+    x = torch.randn(L, cfg.hidden_size, dtype=torch.float64)
+    x_tail = x.clone()
+    x_tail[2 * ratio:] += 1.0
+    with torch.no_grad():
+        a, b = comp(x, pack, inv_freq), comp(x_tail, pack, inv_freq)
+    assert a.shape[0] >= 2 and torch.equal(a, b)
+    x_last = x.clone()
+    x_last[2 * ratio - 1] += 1.0
+    with torch.no_grad():
+        assert not torch.equal(comp(x_last, pack, inv_freq)[1], a[1])
+
+
+def test_sparse_with_wide_topk_equals_dense():
+    """With top-k >= every document's entry count the sparse main path attends to exactly the dense set."""
+    layer = make_layer(4, index_topk=1000).eval()
+    cu, T, max_len = ragged_pack()
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, cu_seqlens=cu, max_seqlen=max_len, phase="sparse"),
+                                   layer(x, cu_seqlens=cu, max_seqlen=max_len, phase="dense"),
+                                   rtol=1e-12, atol=1e-14)
+
+
+def test_phases_build_their_own_graph(monkeypatch):
+    """dense: no indexer; warmup: dense teacher over every visible entry; sparse: teacher over the top-k."""
+    seen = []
+    real = attention_module.indexer_kl
+
+    def spy(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale):
+        seen.append(candidates)
+        return real(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale)
+
+    monkeypatch.setattr(attention_module, "indexer_kl", spy)
+    layer = make_layer(4)
+    cu, T, max_len = ragged_pack()
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    for phase in PHASES:
+        layer(x, cu_seqlens=cu, max_seqlen=max_len, phase=phase)
+    assert len(seen) == 2
+    warm, sparse = seen
+    assert isinstance(warm, dsv4attn.ops.VisibleCompressed) and warm.width == max_len // 4
+    assert isinstance(sparse, dsv4attn.ops.Explicit) and sparse.width == layer.config.index_topk
+    with torch.no_grad():
+        layer.eval()
+        assert layer(x, cu_seqlens=cu, max_seqlen=max_len, phase="sparse") is not None
+    assert layer.indexer_loss is None and len(seen) == 2
+
+
+def test_phase_switch_between_optimizer_steps_keeps_optimizer_state():
+    """A run can change phase at any step: every parameter has a gradient in every phase, so AdamW state keys
+    are identical after each step."""
+    torch.manual_seed(2)
+    layer = make_layer(4)
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+    cu, T, max_len = ragged_pack()
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    names = {id(p): n for n, p in layer.named_parameters()}
+    keys_per_step = []
+    for phase in ["dense", "warmup", "sparse", "dense", "sparse"]:
+        opt.zero_grad(set_to_none=True)
+        y = layer(x, cu_seqlens=cu, max_seqlen=max_len, phase=phase)
+        y.square().mean().backward()
+        assert all(p.grad is not None for p in layer.parameters()), phase
+        opt.step()
+        keys_per_step.append({names[id(p)]: tuple(sorted(s)) for p, s in opt.state.items()})
+    assert all(k == keys_per_step[0] for k in keys_per_step)
+    assert len(keys_per_step[0]) == len(list(layer.parameters()))
+
+
+def test_indexer_loss_value_readable_and_scaled_by_coefficient():
+    cu, T, max_len = ragged_pack()
+    x = torch.randn(T, 128, dtype=torch.float64)
+    losses = []
+    for coeff in (0.01, 0.02):
+        layer = make_layer(4, indexer_loss_coeff=coeff)
+        layer(x, cu_seqlens=cu, max_seqlen=max_len, phase="warmup")
+        assert layer.indexer_loss.requires_grad is False
+        losses.append(float(layer.indexer_loss))
+    assert losses[0] > 0 and losses[1] == pytest.approx(2 * losses[0], rel=1e-12)
+
+
+def test_ragged_pack_has_the_required_document_kinds():
+    lengths = set(RAGGED)
+    assert {0, 1, 3, 4, 5}.issubset(lengths) and max(lengths) > 128 and any(n % 4 for n in lengths if n > 4)

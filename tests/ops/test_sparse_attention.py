@@ -1,0 +1,275 @@
+"""sparse_attention (custom autograd, chunked) vs sparse_attention_naive (plain autograd) vs a scalar-loop oracle.
+
+Spec decision 5: one softmax per (row, head) over the listed keys plus the sink logit (denominator only, value 0),
+``lse`` excludes the sink, a row with no valid key outputs 0 (never NaN).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dsv4attn
+from dsv4attn.ops import Concat, VisibleCompressed, Window, sparse_attention
+from dsv4attn.ops.sparse_attention import reference as sa_ref
+from dsv4attn.ops.sparse_attention import sparse_attention_naive
+from tests.packs import RAGGED_R4, build_pack, random_indices, wrap_chunk_rows
+
+# float64 everywhere: the three implementations sum in different orders, nothing else differs.
+FP64 = dict(rtol=1e-10, atol=1e-12)
+
+
+def make_case(seed, T=12, H=3, D=8, N=15, K=6, empty_rows=(2, 7), dtype=torch.float64, scale_q=1.0):
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(T, H, D, dtype=torch.float64) * scale_q).to(dtype)
+    kv = torch.randn(N, D, dtype=torch.float64).to(dtype)
+    sink = torch.randn(H, dtype=torch.float64).to(torch.float64 if dtype == torch.float64 else torch.float32)
+    idx = random_indices(gen, T, N, K, hole_frac=0.3, empty_rows=empty_rows)
+    return q, kv, idx, sink
+
+
+def oracle(q, kv, idx, sink, scale):
+    """Scalar loop over (row, head), float64, autograd-capable: softmax over [scores, sink] with a zero value."""
+    T, H, D = q.shape
+    outs, lses = [], []
+    for t in range(T):
+        keys = [int(k) for k in idx[t].tolist() if k >= 0]
+        row_out, row_lse = [], []
+        for h in range(H):
+            if not keys:
+                row_out.append(torch.zeros(D, dtype=torch.float64) + 0.0 * (q[t, h].sum() + sink[h]))
+                row_lse.append(torch.tensor(-math.inf, dtype=torch.float64))
+                continue
+            vals = torch.stack([kv[k] for k in keys])                      # (n, D)
+            z = torch.stack([scale * torch.dot(q[t, h], kv[k]) for k in keys])
+            full = torch.cat([z, sink[h].reshape(1)])
+            m = full.max().detach()
+            e = torch.exp(full - m)
+            p = e[:-1] / e.sum()
+            row_out.append(p @ vals)
+            mz = z.max().detach()
+            row_lse.append(mz + torch.log(torch.exp(z - mz).sum()))
+        outs.append(torch.stack(row_out))
+        lses.append(torch.stack(row_lse))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def run_with_grads(fn, q, kv, sink, grad_out):
+    q, kv, sink = (t.detach().clone().requires_grad_(True) for t in (q, kv, sink))
+    out, lse = fn(q, kv, sink)
+    (out.to(torch.float64) * grad_out).sum().backward()
+    return out.detach(), lse.detach(), q.grad, kv.grad, sink.grad
+
+
+def ops_fn(idx, scale=None):
+    return lambda q, kv, sink: sparse_attention(q, kv, idx, sink, scale)
+
+
+def naive_fn(idx, scale):
+    return lambda q, kv, sink: sparse_attention_naive(q, kv, idx, sink, scale)
+
+
+def oracle_fn(idx, scale):
+    return lambda q, kv, sink: oracle(q, kv, idx, sink, scale)
+
+
+CASES = [
+    pytest.param(dict(), id="T12-H3-D8-K6"),
+    pytest.param(dict(T=9, H=1, D=4, N=5, K=5, empty_rows=(0,)), id="T9-H1-K=N"),
+    pytest.param(dict(T=10, H=4, D=16, N=30, K=3, empty_rows=()), id="T10-H4-no-empty"),
+    pytest.param(dict(scale_q=6.0), id="large-logits"),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["idx32", "idx64"])
+def test_forward_backward_vs_naive_and_oracle(case, index_dtype):
+    torch.manual_seed(0)
+    q, kv, idx, sink = make_case(0, **case)
+    idx = idx.to(index_dtype)
+    scale = q.shape[-1] ** -0.5
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    got = run_with_grads(ops_fn(idx), q, kv, sink, grad_out)
+    naive = run_with_grads(naive_fn(idx, scale), q, kv, sink, grad_out)
+    ref = run_with_grads(oracle_fn(idx, scale), q, kv, sink, grad_out)
+    names = ("out", "lse", "dq", "dkv", "dsink")
+    for name, a, b, c in zip(names, got, naive, ref):
+        assert a.dtype == torch.float64, name
+        torch.testing.assert_close(a, b, **FP64, msg=lambda m: f"{name} vs naive: {m}")
+        torch.testing.assert_close(a, c, **FP64, msg=lambda m: f"{name} vs oracle: {m}")
+
+
+def test_custom_softmax_scale():
+    q, kv, idx, sink = make_case(1)
+    got = sparse_attention(q, kv, idx, sink, 0.37)
+    want = oracle(q, kv, idx, sink, 0.37)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **FP64)
+
+
+def test_empty_rows_give_zero_and_no_nan():
+    q, kv, idx, sink = make_case(2, empty_rows=(0, 5, 11))
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    out, lse, dq, dkv, dsink = run_with_grads(ops_fn(idx), q, kv, sink, grad_out)
+    for name, t in (("out", out), ("dq", dq), ("dkv", dkv), ("dsink", dsink)):
+        assert not torch.isnan(t).any(), name
+    for r in (0, 5, 11):
+        assert torch.equal(out[r], torch.zeros_like(out[r]))
+        assert torch.equal(lse[r], torch.full_like(lse[r], -math.inf))
+        assert torch.equal(dq[r], torch.zeros_like(dq[r]))
+    assert torch.isfinite(lse[[1, 2, 3]]).all()
+
+
+def test_all_rows_empty_gives_zero_gradients():
+    q, kv, idx, sink = make_case(3, empty_rows=range(12))
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    for fn in (ops_fn(idx), naive_fn(idx, q.shape[-1] ** -0.5)):
+        out, lse, dq, dkv, dsink = run_with_grads(fn, q, kv, sink, grad_out)
+        assert torch.equal(out, torch.zeros_like(out))
+        assert torch.isneginf(lse).all()
+        for name, g in (("dq", dq), ("dkv", dkv), ("dsink", dsink)):
+            assert torch.equal(g, torch.zeros_like(g)), name
+
+
+def test_keys_referenced_only_by_empty_rows_get_zero_grad():
+    q, kv, idx, sink = make_case(4, N=20, K=4)
+    used = set(i for i in idx.flatten().tolist() if i >= 0)
+    _, _, _, dkv, _ = run_with_grads(ops_fn(idx), q, kv, sink, torch.randn(q.shape, dtype=torch.float64))
+    for n in range(20):
+        if n not in used:
+            assert torch.equal(dkv[n], torch.zeros_like(dkv[n])), n
+
+
+def test_lse_not_differentiable():
+    q, kv, idx, sink = make_case(5)
+    q.requires_grad_(True)
+    out, lse = sparse_attention(q, kv, idx, sink)
+    assert out.requires_grad and not lse.requires_grad
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(empty_rows=(1,)), id="holes+empty-row"),
+    pytest.param(dict(empty_rows=()), id="holes"),
+])
+def test_gradcheck_float64(case):
+    q, kv, idx, sink = make_case(6, T=5, H=2, D=4, N=7, K=3, **case)
+    inputs = tuple(t.detach().clone().requires_grad_(True) for t in (q, kv, sink))
+    assert torch.autograd.gradcheck(lambda a, b, c: sparse_attention(a, b, idx, c)[0], inputs, eps=1e-6,
+                                    atol=1e-8, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sink semantics
+
+def test_lse_excludes_sink_and_full_denominator():
+    q, kv, idx, sink = make_case(7, empty_rows=(3,))
+    scale = q.shape[-1] ** -0.5
+    out, lse = sparse_attention(q, kv, idx, sink)
+    T, H, D = q.shape
+    for t in range(T):
+        keys = [k for k in idx[t].tolist() if k >= 0]
+        if not keys:
+            continue
+        vals = kv[keys]
+        for h in range(H):
+            z = scale * (vals @ q[t, h])
+            torch.testing.assert_close(lse[t, h], torch.logsumexp(z, 0), **FP64)
+            denom = torch.logaddexp(lse[t, h], sink[h])
+            p = torch.exp(z - denom)
+            torch.testing.assert_close(out[t, h], p @ vals, **FP64)
+            # The rest of the mass went to the sink: exp(sink - denominator).
+            torch.testing.assert_close(1.0 - p.sum(), torch.exp(sink[h] - denom), **FP64)
+            # Softmax with one extra column: logit sink, value 0.
+            probs = torch.softmax(torch.cat([z, sink[h].reshape(1)]), 0)
+            torch.testing.assert_close(out[t, h], probs @ torch.cat([vals, vals.new_zeros(1, D)]), **FP64)
+
+
+def test_sink_minus_inf_is_plain_softmax_and_large_sink_absorbs_mass():
+    q, kv, idx, sink = make_case(8, empty_rows=())
+    scale = q.shape[-1] ** -0.5
+    out_plain, lse = sparse_attention(q, kv, idx, torch.full_like(sink, -math.inf))
+    for t in range(q.shape[0]):
+        keys = [k for k in idx[t].tolist() if k >= 0]
+        vals = kv[keys]
+        p = torch.softmax(scale * (q[t] @ vals.T), dim=-1)
+        torch.testing.assert_close(out_plain[t], p @ vals, **FP64)
+    out_big, lse_big = sparse_attention(q, kv, idx, torch.full_like(sink, 200.0))
+    torch.testing.assert_close(lse_big, lse, rtol=0, atol=0)
+    assert out_big.abs().max() < 1e-60
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chunking and index sets
+
+def ragged_sets(seed, window=5, ratio=4, H=2, D=8, padding=3):
+    torch.manual_seed(seed)
+    pack = build_pack(RAGGED_R4, padding=padding)
+    lay = pack.compressed(ratio)
+    T = pack.total_rows
+    kv_full = torch.randn(T + lay.capacity, D, dtype=torch.float64)
+    q = torch.randn(T, H, D, dtype=torch.float64)
+    sink = torch.randn(H, dtype=torch.float64)
+    index_set = Concat(Window(pack, window), VisibleCompressed(lay, T, offset=T))
+    return pack, q, kv_full, sink, index_set
+
+
+def test_index_set_equals_materialized_and_padding_rows_are_zero():
+    pack, q, kv, sink, index_set = ragged_sets(9)
+    explicit = index_set.materialize()
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    got = run_with_grads(ops_fn(index_set), q, kv, sink, grad_out)
+    mat = run_with_grads(ops_fn(explicit.to(torch.int32)), q, kv, sink, grad_out)
+    naive = run_with_grads(naive_fn(explicit, q.shape[-1] ** -0.5), q, kv, sink, grad_out)
+    for name, a, b, c in zip(("out", "lse", "dq", "dkv", "dsink"), got, mat, naive):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{name} set vs tensor: {m}")
+        torch.testing.assert_close(a, c, **FP64, msg=lambda m: f"{name} vs naive: {m}")
+    pad = ~pack.row_is_real
+    assert pad.sum() == 3
+    assert torch.equal(got[0][pad], torch.zeros_like(got[0][pad]))
+    assert torch.isneginf(got[1][pad]).all()
+    assert torch.equal(got[2][pad], torch.zeros_like(got[2][pad]))
+
+
+@pytest.mark.parametrize("indices", ["explicit", "index-set"])
+def test_chunking_invariance(monkeypatch, indices):
+    pack, q, kv, sink, index_set = ragged_sets(10)
+    if indices == "explicit":
+        index_set = index_set.materialize().to(torch.int32)
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    whole = run_with_grads(ops_fn(index_set), q, kv, sink, grad_out)
+    chunks = wrap_chunk_rows(sa_ref, monkeypatch, budget=1)
+    one_row = run_with_grads(ops_fn(index_set), q, kv, sink, grad_out)
+    T = pack.total_rows
+    assert chunks.count((0, 1)) == 2 and len(chunks) == 2 * T, "forward and backward ran one row per chunk"
+    for name, a, b in zip(("out", "lse", "dq", "dkv", "dsink"), whole, one_row):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Low precision: error of the op <= 2x (outputs) / 3x (gradients) the error of the naive version in the same
+# precision, both measured against float64 on the same (rounded) inputs.
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_low_precision_error_vs_naive(dtype):
+    torch.manual_seed(11)
+    gen = torch.Generator().manual_seed(11)
+    T, H, D, N, K = 48, 4, 64, 96, 32
+    q = torch.randn(T, H, D, dtype=torch.float64).to(dtype)
+    kv = torch.randn(N, D, dtype=torch.float64).to(dtype)
+    sink = torch.randn(H, dtype=torch.float32)
+    idx = random_indices(gen, T, N, K, hole_frac=0.25, empty_rows=(3,))
+    grad_out = torch.randn(T, H, D, dtype=torch.float64).to(dtype).to(torch.float64)
+    scale = D ** -0.5
+    ref = run_with_grads(naive_fn(idx, scale), q.double(), kv.double(), sink.double(), grad_out)
+    got = run_with_grads(ops_fn(idx), q, kv, sink, grad_out)
+    naive = run_with_grads(naive_fn(idx, scale), q, kv, sink, grad_out)
+    assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    assert got[2].dtype == dtype and got[3].dtype == dtype and got[4].dtype == torch.float32
+    for i, (name, factor) in enumerate((("out", 2), ("lse", 2), ("dq", 3), ("dkv", 3), ("dsink", 3))):
+        finite = torch.isfinite(ref[i])
+        err = (got[i].double() - ref[i])[finite].abs().max().item()
+        err_naive = (naive[i].double() - ref[i])[finite].abs().max().item()
+        assert torch.equal(torch.isfinite(got[i]), finite), name
+        assert err <= factor * err_naive + 1e-7, f"{name}: error {err:.3e} > {factor} x naive error {err_naive:.3e}"

@@ -1,0 +1,180 @@
+"""pack_batch / PackedBatch / CompressedLayout against plain python loops over the documents (spec decisions 3, 4, 9;
+ALGORITHM.md section 7)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv4attn
+from dsv4attn.ops import VisibleCompressed, Window
+from tests.packs import cu_seqlens_of, doc_spans
+
+# Length 1, 3 (< 4), 4 (== 4), 5 (4 + 1), 7 (not divisible), 130 (> 128, not divisible), an empty document.
+LENGTHS = (1, 3, 4, 0, 5, 7, 130)
+PADDINGS = [pytest.param(0, id="no-padding"), pytest.param(9, id="pad9"), pytest.param(260, id="pad260")]
+
+
+def loop_rows(lengths, total_rows):
+    """Per-row metadata by a python loop: doc, position, doc start, is_real (padding: N, 0, T, False)."""
+    n_docs = len(lengths)
+    doc, pos, start, real = [], [], [], []
+    for b, (s, length) in enumerate(doc_spans(lengths)):
+        for p in range(length):
+            doc.append(b), pos.append(p), start.append(s), real.append(True)
+    while len(doc) < total_rows:
+        doc.append(n_docs), pos.append(0), start.append(total_rows), real.append(False)
+    return doc, pos, start, real
+
+
+def loop_layout(lengths, total_rows, max_seqlen, r):
+    """Compressed layout by a python loop (decision 4: n_b = L_b // r, the tail makes no entry)."""
+    n_docs = len(lengths)
+    capacity = min(total_rows // r, n_docs * (max_seqlen // r))
+    cu_comp = [0]
+    entry_doc, entry_index, entry_first_row = [], [], []
+    for b, (s, length) in enumerate(doc_spans(lengths)):
+        for j in range(length // r):
+            entry_doc.append(b), entry_index.append(j), entry_first_row.append(s + j * r)
+        cu_comp.append(cu_comp[-1] + length // r)
+    n_real = len(entry_doc)
+    assert n_real <= capacity
+    entry_is_real = [True] * n_real + [False] * (capacity - n_real)
+    entry_doc += [n_docs] * (capacity - n_real)
+    entry_index += [0] * (capacity - n_real)
+    entry_first_row += [0] * (capacity - n_real)
+    first_entry, visible = [], []
+    for b, (s, length) in enumerate(doc_spans(lengths)):
+        for p in range(length):
+            first_entry.append(cu_comp[b])
+            visible.append(min((p + 1) // r, length // r))
+    visible += [0] * (total_rows - len(visible))
+    return dict(capacity=capacity, cu_compressed=cu_comp, entry_doc=entry_doc, entry_index=entry_index,
+                entry_first_row=entry_first_row, entry_is_real=entry_is_real, row_first_entry=first_entry,
+                row_visible=visible)
+
+
+def assert_list(tensor, expected, name):
+    assert tensor.tolist() == expected, f"{name}: got {tensor.tolist()}, expected {expected}"
+
+
+@pytest.mark.parametrize("padding", PADDINGS)
+def test_rows_match_loop(padding):
+    T = sum(LENGTHS) + padding
+    pack = dsv4attn.pack_batch(cu_seqlens_of(LENGTHS), T, max(LENGTHS))
+    doc, pos, start, real = loop_rows(LENGTHS, T)
+    assert pack.total_rows == T and pack.max_seqlen == 130 and pack.num_docs == len(LENGTHS)
+    assert pack.cu_seqlens.dtype == torch.int32
+    assert_list(pack.row_doc, doc, "row_doc")
+    assert_list(pack.row_position, pos, "row_position")
+    assert_list(pack.row_doc_start, start, "row_doc_start")
+    assert_list(pack.row_is_real, real, "row_is_real")
+    assert pack.num_real_rows.dim() == 0 and int(pack.num_real_rows) == sum(LENGTHS)
+    for name in ("row_doc", "row_position", "row_doc_start"):
+        assert getattr(pack, name).dtype == torch.int64, name
+
+
+@pytest.mark.parametrize("padding", PADDINGS)
+@pytest.mark.parametrize("ratio", [4, 128], ids=["r4", "r128"])
+@pytest.mark.parametrize("max_seqlen", [130, 512], ids=["max_seqlen=longest", "max_seqlen=512"])
+def test_compressed_layout_matches_loop(padding, ratio, max_seqlen):
+    T = sum(LENGTHS) + padding
+    pack = dsv4attn.pack_batch(cu_seqlens_of(LENGTHS), T, max_seqlen)
+    lay = pack.compressed(ratio)
+    want = loop_layout(LENGTHS, T, max_seqlen, ratio)
+    assert lay.ratio == ratio
+    assert lay.capacity == want["capacity"] == min(T // ratio, len(LENGTHS) * (max_seqlen // ratio))
+    assert lay.max_per_doc == max_seqlen // ratio
+    for name in ("cu_compressed", "entry_doc", "entry_index", "entry_first_row", "entry_is_real", "row_visible"):
+        assert_list(getattr(lay, name), want[name], name)
+    # The first compressed row of the document is only meaningful for real rows.
+    real = sum(LENGTHS)
+    assert_list(lay.row_first_entry[:real], want["row_first_entry"], "row_first_entry (real rows)")
+    assert_list(lay.entry_position, [j * ratio for j in want["entry_index"]], "entry_position")
+    assert pack.compressed(ratio) is lay, "layouts are built once per ratio and cached"
+
+
+@pytest.mark.parametrize("padding", PADDINGS)
+@pytest.mark.parametrize("window", [1, 4, 128, 1000], ids=lambda w: f"w{w}")
+def test_window_start(padding, window):
+    T = sum(LENGTHS) + padding
+    pack = dsv4attn.pack_batch(cu_seqlens_of(LENGTHS), T, 130)
+    _, _, start, real = loop_rows(LENGTHS, T)
+    want = [max(start[t], t - window + 1) for t in range(T)]
+    assert_list(pack.window_start(window), want, "window_start")
+    # Decision 3: query at position p sees raw rows p-w+1 .. p, both inclusive, clipped at the document start.
+    idx = Window(pack, window).materialize()
+    for t in range(T):
+        got = sorted(i for i in idx[t].tolist() if i >= 0)
+        expected = list(range(want[t], t + 1)) if real[t] else []
+        assert got == expected, f"row {t}: window rows {got}, expected {expected}"
+
+
+@pytest.mark.parametrize("ratio", [4, 128], ids=["r4", "r128"])
+def test_visible_compressed_index_set(ratio):
+    T = sum(LENGTHS) + 9
+    pack = dsv4attn.pack_batch(cu_seqlens_of(LENGTHS), T, 130)
+    lay = pack.compressed(ratio)
+    offset = 1000
+    idx = VisibleCompressed(lay, T, offset=offset).materialize()
+    assert idx.shape == (T, 130 // ratio)
+    _, pos, _, real = loop_rows(LENGTHS, T)
+    doc = pack.row_doc.tolist()
+    cu_comp = lay.cu_compressed.tolist()
+    for t in range(T):
+        got = [i for i in idx[t].tolist() if i >= 0]
+        if not real[t]:
+            assert got == [], f"padding row {t} sees {got}"
+            continue
+        length = LENGTHS[doc[t]]
+        visible = min((pos[t] + 1) // ratio, length // ratio)
+        assert got == [offset + cu_comp[doc[t]] + j for j in range(visible)], f"row {t}"
+
+
+def test_single_document_when_cu_seqlens_is_none():
+    pack = dsv4attn.pack_batch(None, 10)
+    assert pack.cu_seqlens.tolist() == [0, 10] and pack.cu_seqlens.dtype == torch.int32
+    assert pack.max_seqlen == 10 and pack.num_docs == 1
+    assert_list(pack.row_doc, [0] * 10, "row_doc")
+    assert_list(pack.row_position, list(range(10)), "row_position")
+    assert_list(pack.row_doc_start, [0] * 10, "row_doc_start")
+    assert bool(pack.row_is_real.all()) and int(pack.num_real_rows) == 10
+    lay = pack.compressed(4)
+    assert lay.capacity == 2
+    assert_list(lay.cu_compressed, [0, 2], "cu_compressed")
+    assert_list(lay.entry_first_row, [0, 4], "entry_first_row")
+    assert_list(lay.row_visible, [min((p + 1) // 4, 2) for p in range(10)], "row_visible")
+    assert pack.compressed(128).capacity == 0
+
+
+def test_max_seqlen_none_is_computed():
+    pack = dsv4attn.pack_batch(cu_seqlens_of(LENGTHS), sum(LENGTHS) + 3)
+    assert pack.max_seqlen == 130
+
+
+@pytest.mark.parametrize("cu, T", [([0], 5), ([0, 0], 6), ([0, 0, 0], 0)], ids=["no-docs", "one-empty-doc",
+                                                                                "empty-batch"])
+def test_all_padding(cu, T):
+    pack = dsv4attn.pack_batch(torch.tensor(cu, dtype=torch.int32), T, 0)
+    n_docs = len(cu) - 1
+    assert_list(pack.row_doc, [n_docs] * T, "row_doc")
+    assert_list(pack.row_is_real, [False] * T, "row_is_real")
+    assert_list(pack.row_position, [0] * T, "row_position")
+    assert int(pack.num_real_rows) == 0
+    for r in (4, 128):
+        lay = pack.compressed(r)
+        assert lay.capacity == 0
+        assert_list(lay.row_visible, [0] * T, "row_visible")
+        assert_list(lay.cu_compressed, [0] * (n_docs + 1), "cu_compressed")
+
+
+@pytest.mark.parametrize("cu, T, max_seqlen, err", [
+    ([1, 3], 5, 2, ValueError), ([0, 4, 2], 5, 4, ValueError), ([0, 6], 5, 6, ValueError),
+    ([0, 3], 5, 2, ValueError)], ids=["start-not-0", "decreasing", "past-total-rows", "max_seqlen-too-small"])
+def test_invalid_cu_seqlens_raise(cu, T, max_seqlen, err):
+    with pytest.raises(err):
+        dsv4attn.pack_batch(torch.tensor(cu, dtype=torch.int32), T, max_seqlen)
+
+
+def test_int64_cu_seqlens_rejected():
+    with pytest.raises(ValueError, match="int32"):
+        dsv4attn.pack_batch(torch.tensor([0, 3]), 3, 3)
