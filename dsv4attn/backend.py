@@ -52,5 +52,10 @@ def kernel(op: str) -> Callable:
     return _kernels[op]
 
 
+def exact_math(device: torch.device):
+    """Ops choose their own precision (fp32 softmaxes, LSEs, scores): autocast must not downcast inside them."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def registered_kernels() -> tuple[str, ...]:
     return tuple(sorted(_kernels))

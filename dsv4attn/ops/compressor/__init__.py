@@ -29,9 +29,10 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Ten
                         dtypes=(torch.float32, torch.float64), device=kv.device)
     if layout.row_visible.shape[0] != T:
         raise ValueError(f"layout was built for {layout.row_visible.shape[0]} rows, kv has {T}")
-    if backend.choose("compress_pool", kv.device) == "triton":
-        return backend.kernel("compress_pool")(kv, gate, position_bias, layout)
-    return compress_pool_reference(kv, gate, position_bias, layout)
+    with backend.exact_math(kv.device):
+        if backend.choose("compress_pool", kv.device) == "triton":
+            return backend.kernel("compress_pool")(kv, gate, position_bias, layout)
+        return compress_pool_reference(kv, gate, position_bias, layout)
 
 
 __all__ = ["compress_pool", "compress_pool_reference"]

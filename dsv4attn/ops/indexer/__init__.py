@@ -31,9 +31,10 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, layout
     checks.check_tensor("k", k, shape=(None, Di), device=q.device)
     checks.check_tensor("weights", weights, shape=(T, H), device=q.device)
     candidates = VisibleCompressed(layout, T) if isinstance(layout, CompressedLayout) else layout
-    if backend.choose("indexer_topk", q.device) == "triton":
-        return backend.kernel("indexer_topk")(q, k, weights, candidates, topk)
-    return indexer_topk_reference(q, k, weights, candidates, topk)
+    with backend.exact_math(q.device):
+        if backend.choose("indexer_topk", q.device) == "triton":
+            return backend.kernel("indexer_topk")(q, k, weights, candidates, topk)
+        return indexer_topk_reference(q, k, weights, candidates, topk)
 
 
 __all__ = ["indexer_topk", "indexer_topk_reference", "index_scores"]

@@ -35,10 +35,11 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
         checks.check_tensor("candidates", candidates, shape=(T, None), dtypes=(torch.int32, torch.int64))
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
     cand = as_index_set(candidates)
-    if backend.choose("indexer_kl", index_q.device) == "triton":
-        return backend.kernel("indexer_kl")(index_q, index_k, index_weights, q, compressed_kv, outside_lse,
-                                            cand, scale)
-    return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand, scale)
+    with backend.exact_math(index_q.device):
+        if backend.choose("indexer_kl", index_q.device) == "triton":
+            return backend.kernel("indexer_kl")(index_q, index_k, index_weights, q, compressed_kv, outside_lse,
+                                                cand, scale)
+        return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand, scale)
 
 
 __all__ = ["indexer_kl", "indexer_kl_reference", "indexer_kl_naive", "FLT_MIN"]

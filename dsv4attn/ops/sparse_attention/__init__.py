@@ -40,9 +40,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
     checks.check_finite("kv", kv)
     scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
     index_set = as_index_set(indices)
-    if backend.choose("sparse_attention", q.device) == "triton":
-        return backend.kernel("sparse_attention")(q, kv, index_set, attn_sink, scale)
-    return sparse_attention_reference(q, kv, index_set, attn_sink, scale)
+    with backend.exact_math(q.device):
+        if backend.choose("sparse_attention", q.device) == "triton":
+            return backend.kernel("sparse_attention")(q, kv, index_set, attn_sink, scale)
+        return sparse_attention_reference(q, kv, index_set, attn_sink, scale)
 
 
 __all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_naive"]

@@ -1,0 +1,40 @@
+"""The public surface of spec/API.md exists with the documented signatures (extend, never rename)."""
+from __future__ import annotations
+
+import inspect
+
+import dsv4attn
+
+
+def test_top_level_names():
+    assert set(dsv4attn.__all__) == {"AttentionConfig", "HybridAttention", "Compressor", "Indexer", "PackedBatch",
+                                     "pack_batch", "ops", "set_backend", "set_checks", "__version__"}
+    for name in dsv4attn.__all__:
+        assert hasattr(dsv4attn, name), name
+
+
+def test_config_presets_and_from_hf():
+    for preset in ("flash", "pro", "tiny", "from_hf"):
+        assert callable(getattr(dsv4attn.AttentionConfig, preset))
+
+
+def test_layer_signature():
+    params = inspect.signature(dsv4attn.HybridAttention.forward).parameters
+    assert list(params)[:6] == ["self", "hidden_states", "cu_seqlens", "max_seqlen", "phase", "cp_group"]
+    assert params["phase"].default == "sparse" and params["cp_group"].default is None
+    assert callable(dsv4attn.HybridAttention.load_hf_state_dict)
+    layer = dsv4attn.HybridAttention(dsv4attn.AttentionConfig.tiny(), 4)
+    assert layer.indexer_loss is None
+
+
+def test_sparse_attention_signature():
+    params = inspect.signature(dsv4attn.ops.sparse_attention).parameters
+    assert list(params) == ["q", "kv", "indices", "attn_sink", "softmax_scale"]
+    assert params["softmax_scale"].default is None
+
+
+def test_env_report_runs():
+    from dsv4attn import env
+
+    text = env.report()
+    assert "torch" in text and "sparse_attention" in text
