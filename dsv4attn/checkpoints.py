@@ -46,15 +46,19 @@ def to_hf_state_dict(layer) -> dict[str, torch.Tensor]:
 def load_attention_state_dict(layer, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
     """Copy ``state_dict`` (native, HF or DeepSeek names; one naming per call) into ``layer``.
 
-    Returns ``(missing, unexpected)`` lists of key names. With ``strict`` any missing or unexpected key, or a
-    shape mismatch, raises a ValueError that names them. Values are copied into the existing parameters, so
+    Returns ``(missing, unexpected)`` lists of key names. With ``strict`` any missing or unexpected key raises a
+    ValueError that names them; a shape mismatch always raises (nothing is loaded then). Values are copied into the existing parameters, so
     fp32 parameters stay fp32 whatever the checkpoint dtype.
     """
     to_hf, to_ds = name_tables(layer.compress_ratio)
     native_keys = list(to_hf)
     incoming = set(state_dict)
-    best = max((dict(zip(native_keys, native_keys)), to_hf, to_ds),
-               key=lambda table: len(incoming & set(table.values())))
+    # Pick the naming the keys use; on a tie (ratio 0 / 128 keys are the same in HF and native) HF wins,
+    # unless nothing matches at all: then missing keys are reported under native names.
+    native = dict(zip(native_keys, native_keys))
+    best = max((to_hf, to_ds, native), key=lambda table: len(incoming & set(table.values())))
+    if not incoming & set(best.values()):
+        best = native
     from_external = {ext: native for native, ext in best.items()}
     missing = [best[k] for k in native_keys if best[k] not in incoming]
     unexpected = sorted(k for k in incoming if k not in from_external)
@@ -66,19 +70,19 @@ def load_attention_state_dict(layer, state_dict: Mapping[str, torch.Tensor], str
             continue
         if tuple(value.shape) != tuple(params[native].shape):
             shape_errors.append(f"{ext}: expected {tuple(params[native].shape)}, got {tuple(value.shape)}")
-    if strict and (missing or unexpected or shape_errors):
-        parts = []
-        if missing:
-            parts.append(f"missing keys {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys {unexpected}")
-        if shape_errors:
-            parts.append(f"shape mismatches {shape_errors}")
+    parts = []
+    if strict and missing:
+        parts.append(f"missing keys {missing}")
+    if strict and unexpected:
+        parts.append(f"unexpected keys {unexpected}")
+    if shape_errors:  # like nn.Module.load_state_dict: a wrong shape is an error even when not strict
+        parts.append(f"shape mismatches {shape_errors}")
+    if parts:
         raise ValueError(f"state_dict does not fit HybridAttention(ratio={layer.compress_ratio}): "
                          + "; ".join(parts))
     with torch.no_grad():
         for ext, value in state_dict.items():
             native = from_external.get(ext)
-            if native is not None and tuple(value.shape) == tuple(params[native].shape):
+            if native is not None:
                 params[native].copy_(value)
     return missing, unexpected

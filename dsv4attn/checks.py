@@ -7,10 +7,13 @@ environment variable ``DSV4ATTN_CHECKS=0``.
 """
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 
 import torch
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _enabled = os.environ.get("DSV4ATTN_CHECKS", "1") not in ("0", "false", "False", "off")
 
@@ -80,7 +83,7 @@ def check_tensor(name: str, t: torch.Tensor, *, dim: int | None = None, shape: t
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
     if shape is not None:
         if t.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, t.shape)):
-            want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+            want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + (",)" if len(shape) == 1 else ")")
             raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
         raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
@@ -88,7 +91,36 @@ def check_tensor(name: str, t: torch.Tensor, *, dim: int | None = None, shape: t
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
-def check_finite(name: str, t: torch.Tensor) -> None:
-    """Raise if ``t`` holds NaN or Inf (only when value checks are on)."""
-    if _enabled and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name} contains NaN or Inf (value checks are on; see dsv4attn.set_checks)")
+def check_finite(name: str, t: torch.Tensor, allow_inf: bool = False) -> None:
+    """Raise if ``t`` holds NaN (or +-Inf unless ``allow_inf``); only when value checks are on."""
+    if not (_enabled and t.is_floating_point()):
+        return
+    bad = torch.isnan(t).any() if allow_inf else ~torch.isfinite(t).all()
+    if bool(bad):
+        what = "NaN" if allow_inf else "NaN or Inf"
+        raise ValueError(f"{name} contains {what} (value checks are on; see dsv4attn.set_checks)")
+
+
+def check_index_range(name: str, indices: torch.Tensor, rows: int) -> None:
+    """Indices must lie in [-1, rows); -1 marks an empty slot. One sync, only when value checks are on."""
+    if not _enabled or indices.numel() == 0:
+        return
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < -1 or hi >= rows:
+        raise ValueError(f"{name} must hold row numbers in [0, {rows}) or -1 for an empty slot, "
+                         f"got values in [{lo}, {hi}]")
+
+
+def check_scale(softmax_scale, head_dim: int) -> float:
+    """``softmax_scale`` (None = head_dim ** -0.5) as a positive finite float."""
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    return scale
+
+
+def check_layout_rows(layout, rows: int, name: str) -> None:
+    if layout.row_visible.shape[0] != rows:
+        raise ValueError(f"layout was built for {layout.row_visible.shape[0]} rows, {name} has {rows}")

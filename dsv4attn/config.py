@@ -76,7 +76,10 @@ class AttentionConfig:
     indexer_loss_coeff: float = 0.01   # lambda of the indexer KL loss (training only; not an HF field)
 
     def __post_init__(self) -> None:
-        self.compress_ratios = tuple(self.compress_ratios)
+        ratios = self.compress_ratios
+        if isinstance(ratios, (str, bytes)) or not hasattr(ratios, "__iter__"):
+            raise ValueError(f"compress_ratios must be a sequence of ints in {COMPRESS_RATIOS}, got {ratios!r}")
+        self.compress_ratios = tuple(ratios)
         self.validate()
 
     # ------------------------------------------------------------------ presets
@@ -166,7 +169,7 @@ class AttentionConfig:
         if not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
             raise ValueError(f"indexer_loss_coeff must be a finite number >= 0, got {c!r}")
         for i, ratio in enumerate(self.compress_ratios):
-            if ratio not in COMPRESS_RATIOS:
+            if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio not in COMPRESS_RATIOS:
                 raise ValueError(f"compress_ratios[{i}] must be one of {COMPRESS_RATIOS}, got {ratio!r}")
         _check_rope_scaling(self.rope_scaling)
 

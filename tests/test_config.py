@@ -2,6 +2,7 @@
 validation messages and the to_dict round trip (spec README decision 2, API.md)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -11,8 +12,7 @@ import pytest
 import dsv4attn
 from dsv4attn import AttentionConfig
 
-transformers = pytest.importorskip("transformers")
-from transformers import DeepseekV4Config  # noqa: E402
+from transformers import DeepseekV4Config
 
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 YARN_16 = {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32.0,
@@ -412,7 +412,7 @@ def test_to_dict_round_trip(make):
 
 def test_to_dict_has_every_field_and_plain_types():
     d = AttentionConfig.flash().to_dict()
-    assert set(d) == {f.name for f in __import__("dataclasses").fields(AttentionConfig)}
+    assert set(d) == {f.name for f in dataclasses.fields(AttentionConfig)}
     assert isinstance(d["compress_ratios"], list)
 
 

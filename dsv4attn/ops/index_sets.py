@@ -2,7 +2,7 @@
 
 An index set answers ``rows(start, end) -> (end - start, width) int64``: for each query row in ``[start, end)``
 the rows of a key tensor it may attend to, ``-1`` for an empty slot. Order inside a row does not matter (one
-softmax over the set), duplicates are not allowed. Sets combine with :class:`Concat` (disjoint key ranges, e.g.
+softmax over the set); a repeated index counts once per occurrence. Sets combine with :class:`Concat` (disjoint key ranges, e.g.
 raw window rows followed by compressed rows at an offset).
 
 - :class:`Explicit`: a materialised (T, K) tensor (what ``sparse_attention(indices=...)`` takes, FlashMLA style).
@@ -75,6 +75,13 @@ class Concat(IndexSet):
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         return torch.cat([p.rows(start, end) for p in self.parts], dim=1)
+
+
+def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``table[idx]`` with -1 slots reading row 0 (callers mask them); an empty table gives zeros."""
+    if table.shape[0] == 0:
+        return table.new_zeros(idx.shape + table.shape[1:])
+    return table[idx.clamp(min=0)]
 
 
 def as_index_set(indices: torch.Tensor | IndexSet) -> IndexSet:

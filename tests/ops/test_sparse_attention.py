@@ -243,8 +243,10 @@ def test_chunking_invariance(monkeypatch, indices):
     one_row = run_with_grads(ops_fn(index_set), q, kv, sink, grad_out)
     T = pack.total_rows
     assert chunks.count((0, 1)) == 2 and len(chunks) == 2 * T, "forward and backward ran one row per chunk"
-    for name, a, b in zip(("out", "lse", "dq", "dkv", "dsink"), whole, one_row):
-        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14, msg=lambda m: f"{name}: {m}")
+    # Row-local results are bit-identical; d attn_sink sums over rows chunk by chunk, so only its rounding moves.
+    for name, a, b in zip(("out", "lse", "dq", "dkv"), whole, one_row):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(whole[4], one_row[4], rtol=1e-13, atol=1e-15)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -267,9 +269,23 @@ def test_low_precision_error_vs_naive(dtype):
     naive = run_with_grads(naive_fn(idx, scale), q, kv, sink, grad_out)
     assert got[0].dtype == dtype and got[1].dtype == torch.float32
     assert got[2].dtype == dtype and got[3].dtype == dtype and got[4].dtype == torch.float32
+    failures = []
     for i, (name, factor) in enumerate((("out", 2), ("lse", 2), ("dq", 3), ("dkv", 3), ("dsink", 3))):
         finite = torch.isfinite(ref[i])
+        assert torch.equal(torch.isfinite(got[i]), finite), name
         err = (got[i].double() - ref[i])[finite].abs().max().item()
         err_naive = (naive[i].double() - ref[i])[finite].abs().max().item()
-        assert torch.equal(torch.isfinite(got[i]), finite), name
-        assert err <= factor * err_naive + 1e-7, f"{name}: error {err:.3e} > {factor} x naive error {err_naive:.3e}"
+        # 1e-7 absolute floor: fp32 results of both can round to the float64 value exactly.
+        if not err <= factor * err_naive + 1e-7:
+            failures.append(f"{name}: error {err:.3e} > {factor} x naive error {err_naive:.3e}")
+    assert not failures, "; ".join(failures)
+
+
+def test_deterministic():
+    pack, q, kv, sink, index_set = ragged_sets(12)
+    q, kv, sink = q.float(), kv.float(), sink.float()
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    first = run_with_grads(ops_fn(index_set), q, kv, sink, grad_out)
+    second = run_with_grads(ops_fn(index_set), q, kv, sink, grad_out)
+    for name, a, b in zip(("out", "lse", "dq", "dkv", "dsink"), first, second):
+        assert torch.equal(a, b), name

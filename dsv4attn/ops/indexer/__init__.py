@@ -26,11 +26,22 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, layout
     """
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
-    checks.check_tensor("q", q, dim=3)
+    checks.check_tensor("q", q, dim=3, dtypes=checks.FLOATS)
     T, H, Di = q.shape
-    checks.check_tensor("k", k, shape=(None, Di), device=q.device)
-    checks.check_tensor("weights", weights, shape=(T, H), device=q.device)
-    candidates = VisibleCompressed(layout, T) if isinstance(layout, CompressedLayout) else layout
+    checks.check_tensor("k", k, shape=(None, Di), dtypes=checks.FLOATS, device=q.device)
+    checks.check_tensor("weights", weights, shape=(T, H), dtypes=checks.FLOATS, device=q.device)
+    if isinstance(layout, CompressedLayout):
+        checks.check_layout_rows(layout, T, "q")
+        if k.shape[0] < layout.capacity:
+            raise ValueError(f"k must have at least layout.capacity={layout.capacity} rows (one per compressed "
+                             f"entry), got {k.shape[0]}")
+        candidates = VisibleCompressed(layout, T)
+    else:
+        if layout.total_rows != T:
+            raise ValueError(f"layout must cover the {T} rows of q, got an index set of {layout.total_rows} rows")
+        candidates = layout
+    for name, t in (("q", q), ("k", k), ("weights", weights)):
+        checks.check_finite(name, t)
     with backend.exact_math(q.device):
         if backend.choose("indexer_topk", q.device) == "triton":
             return backend.kernel("indexer_topk")(q, k, weights, candidates, topk)

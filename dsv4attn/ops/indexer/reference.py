@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..index_sets import IndexSet, chunk_rows
+from ..index_sets import IndexSet, chunk_rows, gather_rows
 
 
 def index_scores(q_c: torch.Tensor, keys: torch.Tensor, w_c: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,7 @@ def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
         for s, e in chunk_rows(T, candidates.width * (H + Di)):
             cand = candidates.rows(s, e)
             valid = cand >= 0
-            scores = index_scores(q[s:e], k[cand.clamp(min=0)], weights[s:e], valid)
+            scores = index_scores(q[s:e], gather_rows(k, cand), weights[s:e], valid)
             order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :width]
             chosen = cand.gather(1, order)
             chosen_valid = scores.gather(1, order) > float("-inf")

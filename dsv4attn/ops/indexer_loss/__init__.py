@@ -32,8 +32,15 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
     checks.check_tensor("compressed_kv", compressed_kv, shape=(index_k.shape[0], q.shape[2]), device=q.device)
     checks.check_tensor("outside_lse", outside_lse, shape=(T, q.shape[1]), device=q.device)
     if isinstance(candidates, torch.Tensor):
-        checks.check_tensor("candidates", candidates, shape=(T, None), dtypes=(torch.int32, torch.int64))
-    scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
+        checks.check_tensor("candidates", candidates, shape=(T, None), dtypes=(torch.int32, torch.int64),
+                            device=q.device)
+        checks.check_index_range("candidates", candidates, index_k.shape[0])
+    elif candidates.total_rows != T:
+        raise ValueError(f"candidates must cover the {T} rows of index_q, got {candidates.total_rows} rows")
+    for name, t in (("index_q", index_q), ("index_k", index_k), ("index_weights", index_weights), ("q", q),
+                    ("compressed_kv", compressed_kv)):
+        checks.check_finite(name, t)
+    scale = checks.check_scale(softmax_scale, q.shape[2])
     cand = as_index_set(candidates)
     with backend.exact_math(index_q.device):
         if backend.choose("indexer_kl", index_q.device) == "triton":

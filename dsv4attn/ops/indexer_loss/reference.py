@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..index_sets import IndexSet, chunk_rows
+from ..index_sets import IndexSet, chunk_rows, gather_rows
 from ..indexer.reference import index_scores
 
 FLT_MIN = torch.finfo(torch.float32).tiny
@@ -28,14 +28,13 @@ def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand,
     """Student log-probabilities, normalised teacher and what the backward needs, for one chunk of rows."""
     cd = torch.promote_types(index_q.dtype, torch.float32)
     valid = cand >= 0
-    safe = cand.clamp(min=0)
-    keys_i = index_k[safe].to(cd)
+    keys_i = gather_rows(index_k, cand).to(cd)
     scores = index_scores(index_q, keys_i, index_weights, valid)
     has_any = valid.any(dim=-1, keepdim=True)
     log_q = torch.log_softmax(torch.where(has_any, scores, torch.zeros_like(scores)), dim=-1)
     log_q = torch.where(valid, log_q, torch.zeros_like(log_q))
 
-    logits = torch.einsum("chd,ckd->chk", q.to(cd), compressed_kv[safe].to(cd)) * scale
+    logits = torch.einsum("chd,ckd->chk", q.to(cd), gather_rows(compressed_kv, cand).to(cd)) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     full_lse = torch.logaddexp(outside_lse.to(cd), torch.logsumexp(logits, dim=-1))
     probs = torch.where(valid[:, None, :], torch.exp(logits - full_lse[..., None]), torch.zeros_like(logits))

@@ -18,7 +18,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
         q: (T, H, D) queries, fp16/bf16/fp32/fp64.
         kv: (N, D) the single shared KV head, same dtype as ``q`` (keys and values are the same rows).
         indices: (T, K) int32 rows of ``kv`` per query, ``-1`` = empty slot (or an :class:`IndexSet`).
-            Valid entries of a row must be distinct.
+            A repeated index counts once per occurrence.
         attn_sink: (H,) per-head sink logit, fp32 (fp64 allowed for float64 checks); value 0, denominator only.
         softmax_scale: defaults to ``D ** -0.5``.
     Returns:
@@ -32,13 +32,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
     checks.check_tensor("attn_sink", attn_sink, shape=(H,), dtypes=(torch.float32, torch.float64), device=q.device)
     if isinstance(indices, torch.Tensor):
         checks.check_tensor("indices", indices, shape=(T, None), dtypes=(torch.int32, torch.int64), device=q.device)
-        if checks.checks_enabled() and indices.numel() and int(indices.max()) >= kv.shape[0]:
-            raise ValueError(f"indices must be < kv.shape[0] ({kv.shape[0]}), got max {int(indices.max())}")
+        checks.check_index_range("indices", indices, kv.shape[0])
     elif indices.total_rows != T:
         raise ValueError(f"indices must cover the {T} rows of q, got an index set of {indices.total_rows} rows")
     checks.check_finite("q", q)
     checks.check_finite("kv", kv)
-    scale = D ** -0.5 if softmax_scale is None else float(softmax_scale)
+    checks.check_finite("attn_sink", attn_sink, allow_inf=True)
+    scale = checks.check_scale(softmax_scale, D)
     index_set = as_index_set(indices)
     with backend.exact_math(q.device):
         if backend.choose("sparse_attention", q.device) == "triton":

@@ -10,14 +10,14 @@ KV head (K == V)::
 
 Forward and backward run over query chunks, so memory is O(T * K * D / chunks) transient plus the saved inputs
 and outputs; the backward recomputes the probabilities from the saved ``lse`` (the kernels do the same):
-``dz = p * (dO.v - Delta)``, ``Delta = dO.out``, ``dq = scale * dz @ K``, ``dkv[k] += scale * dz^T q + p^T dO``,
+``dz = p * (dO.v - Delta)``, ``Delta = dO.out = sum_k p_k dO.v_k`` (in fp32), ``dq = scale * dz @ K``, ``dkv[k] += scale * dz^T q + p^T dO``,
 ``d attn_sink[h] = -sum_t p_sink(t, h) * Delta(t, h)``. ``lse`` is not differentiable.
 """
 from __future__ import annotations
 
 import torch
 
-from ..index_sets import IndexSet, chunk_rows
+from ..index_sets import IndexSet, chunk_rows, gather_rows
 
 
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:
@@ -27,7 +27,7 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
 def _chunk_probs(q_c, kv, idx, sink, scale, cd):
     """Gathered keys (c, K, D), validity (c, K), scores (c, H, K) with -inf holes, in compute dtype ``cd``."""
     valid = idx >= 0
-    keys = kv[idx.clamp(min=0)].to(cd)
+    keys = gather_rows(kv, idx).to(cd)
     scores = torch.einsum("chd,ckd->chk", q_c.to(cd), keys) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     return keys, valid, scores
@@ -48,14 +48,14 @@ class _SparseAttention(torch.autograd.Function):
             p = torch.exp(scores - denom[..., None])
             out[s:e] = torch.einsum("chk,ckd->chd", p, keys).to(q.dtype)
             lse[s:e] = lse_c
-        ctx.save_for_backward(q, kv, attn_sink, out, lse)
+        ctx.save_for_backward(q, kv, attn_sink, lse)
         ctx.index_set, ctx.scale = index_set, scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        q, kv, attn_sink, out, lse = ctx.saved_tensors
+        q, kv, attn_sink, lse = ctx.saved_tensors
         index_set, scale = ctx.index_set, ctx.scale
         T, H, D = q.shape
         cd = _compute_dtype(q)
@@ -64,15 +64,16 @@ class _SparseAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=cd, device=kv.device)
         dsink = torch.zeros(H, dtype=cd, device=q.device)
         if grad_out is None:
-            grad_out = torch.zeros_like(out)
+            grad_out = torch.zeros_like(q)
         for s, e in chunk_rows(T, index_set.width * (H + D)):
             idx = index_set.rows(s, e)
             keys, valid, scores = _chunk_probs(q[s:e], kv, idx, sink, scale, cd)
             denom = torch.logaddexp(lse[s:e], sink[None, :])
             p = torch.exp(scores - denom[..., None])
             do = grad_out[s:e].to(cd)
-            delta = (do * out[s:e].to(cd)).sum(-1)                          # (c, H)
             dp = torch.einsum("chd,ckd->chk", do, keys)
+            # Delta = dO . out, from the fp32 probabilities rather than the saved (possibly bf16-rounded) out.
+            delta = (p * dp).sum(-1)                                        # (c, H)
             dz = p * (dp - delta[..., None])
             dq[s:e] = scale * torch.einsum("chk,ckd->chd", dz, keys)
             dkeys = scale * torch.einsum("chk,chd->ckd", dz, q[s:e].to(cd)) + torch.einsum("chk,chd->ckd", p, do)

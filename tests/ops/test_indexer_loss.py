@@ -1,0 +1,222 @@
+"""indexer_kl (closed-form custom backward, chunked) vs indexer_kl_naive (plain autograd) vs a loop oracle of the
+formula in dsv4attn/ops/indexer_loss/reference.py (spec decision 7, ALGORITHM.md section 5).
+
+teacher(j) = sum_h exp(s_h(j) - logaddexp(outside_lse_h, lse_{S_t} s_h)) / max(sum_{j,h} ..., FLT_MIN),
+student = softmax over S_t of the indexer scores, KL(teacher || student); an empty S_t gives 0.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dsv4attn
+from dsv4attn.ops import VisibleCompressed, indexer_kl
+from dsv4attn.ops.indexer_loss import indexer_kl_naive
+from dsv4attn.ops.indexer_loss import reference as kl_ref
+from tests.packs import RAGGED_R4, build_pack, random_indices, wrap_chunk_rows
+
+FLT_MIN = torch.finfo(torch.float32).tiny
+FP64 = dict(rtol=1e-10, atol=1e-12)
+
+
+def make_case(seed, T=10, Hi=2, Di=4, H=3, D=8, Nc=12, C=5, empty_rows=(1, 6), dtype=torch.float64,
+              outside_shift=0.0):
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    f = dict(dtype=torch.float64)
+    index_q = torch.randn(T, Hi, Di, **f).to(dtype)
+    index_k = torch.randn(Nc, Di, **f).to(dtype)
+    index_w = torch.randn(T, Hi, **f).to(dtype)
+    q = (2.0 * torch.randn(T, H, D, **f)).to(dtype)
+    ckv = torch.randn(Nc, D, **f).to(dtype)
+    outside = (torch.randn(T, H, **f) + 1.0 + outside_shift).to(dtype)
+    cand = random_indices(gen, T, Nc, C, hole_frac=0.3, empty_rows=empty_rows)
+    return index_q, index_k, index_w, q, ckv, cand, outside
+
+
+def kl_oracle(index_q, index_k, index_w, q, ckv, cand, outside, scale):
+    """Loop over rows (and heads), float64, autograd-capable."""
+    T, Hi, _ = index_q.shape
+    H = q.shape[1]
+    rows = []
+    for t in range(T):
+        S = [int(c) for c in cand[t].tolist() if c >= 0]
+        if not S:
+            rows.append(torch.zeros((), dtype=torch.float64) + 0.0 * (index_q[t].sum() + index_w[t].sum()))
+            continue
+        mass = torch.zeros(len(S), dtype=torch.float64)
+        for h in range(H):
+            s_h = torch.stack([scale * torch.dot(q[t, h].double(), ckv[j].double()) for j in S])
+            full = torch.logaddexp(outside[t, h].double(), torch.logsumexp(s_h, 0))
+            mass = mass + torch.exp(s_h - full)
+        teacher = mass / torch.clamp(mass.sum(), min=FLT_MIN)
+        scores = torch.stack([sum(index_w[t, g].double() * torch.relu(torch.dot(index_q[t, g].double(),
+                                                                                 index_k[j].double()))
+                                  for g in range(Hi)) for j in S])
+        log_student = torch.log_softmax(scores, 0)
+        rows.append((torch.xlogy(teacher, teacher) - teacher * log_student).sum())
+    return torch.stack(rows)
+
+
+def run_with_grads(fn, index_q, index_k, index_w, rest, grad_kl):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (index_q, index_k, index_w)]
+    kl = fn(*leaves, *rest)
+    (kl.to(torch.float64) * grad_kl).sum().backward()
+    return [kl.detach()] + [t.grad for t in leaves]
+
+
+CASES = [
+    pytest.param(dict(), id="T10-Hi2-H3-C5"),
+    pytest.param(dict(T=8, Hi=1, Di=3, H=1, D=4, Nc=6, C=6, empty_rows=(0,)), id="T8-one-head-C=Nc"),
+    pytest.param(dict(T=6, Hi=4, Di=6, H=4, D=16, Nc=20, C=8, empty_rows=()), id="T6-Hi4-no-empty"),
+    pytest.param(dict(outside_shift=-6.0), id="small-outside-mass"),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_forward_and_grads_vs_naive_and_oracle(case):
+    index_q, index_k, index_w, q, ckv, cand, outside = make_case(0, **case)
+    scale = q.shape[-1] ** -0.5
+    grad_kl = torch.rand(q.shape[0], dtype=torch.float64) + 0.5
+    got = run_with_grads(lambda a, b, c, *r: indexer_kl(a, b, c, *r), index_q, index_k, index_w,
+                         (q, ckv, cand, outside), grad_kl)
+    naive = run_with_grads(lambda a, b, c, *r: indexer_kl_naive(a, b, c, *r, scale), index_q, index_k, index_w,
+                           (q, ckv, outside, cand), grad_kl)
+    ref = run_with_grads(lambda a, b, c, *r: kl_oracle(a, b, c, *r, scale), index_q, index_k, index_w,
+                         (q, ckv, cand, outside), grad_kl)
+    for name, a, b, c in zip(("kl", "d_index_q", "d_index_k", "d_index_weights"), got, naive, ref):
+        assert a.dtype == torch.float64, name
+        torch.testing.assert_close(a, b, **FP64, msg=lambda m: f"{name} vs naive: {m}")
+        torch.testing.assert_close(a, c, **FP64, msg=lambda m: f"{name} vs oracle: {m}")
+    assert (got[0] >= -1e-12).all(), "KL is non-negative"
+
+
+def test_custom_softmax_scale():
+    index_q, index_k, index_w, q, ckv, cand, outside = make_case(1)
+    got = indexer_kl(index_q, index_k, index_w, q, ckv, cand, outside, softmax_scale=0.21)
+    torch.testing.assert_close(got, kl_oracle(index_q, index_k, index_w, q, ckv, cand, outside, 0.21), **FP64)
+
+
+def test_empty_rows_are_exactly_zero_with_zero_grads():
+    index_q, index_k, index_w, q, ckv, cand, outside = make_case(2, empty_rows=(0, 4, 9))
+    grad_kl = torch.rand(q.shape[0], dtype=torch.float64) + 0.5
+    kl, dq, dk, dw = run_with_grads(lambda a, b, c, *r: indexer_kl(a, b, c, *r), index_q, index_k, index_w,
+                                    (q, ckv, cand, outside), grad_kl)
+    for r in (0, 4, 9):
+        assert kl[r].item() == 0.0
+        assert torch.equal(dq[r], torch.zeros_like(dq[r])) and torch.equal(dw[r], torch.zeros_like(dw[r]))
+    for name, t in (("kl", kl), ("dq", dq), ("dk", dk), ("dw", dw)):
+        assert torch.isfinite(t).all(), name
+    # Keys outside every candidate set get exactly zero gradient.
+    used = set(c for c in cand.flatten().tolist() if c >= 0)
+    for n in range(index_k.shape[0]):
+        if n not in used:
+            assert torch.equal(dk[n], torch.zeros_like(dk[n])), n
+
+
+def test_all_rows_empty():
+    index_q, index_k, index_w, q, ckv, cand, outside = make_case(3, empty_rows=range(10))
+    scale = q.shape[-1] ** -0.5
+    grad_kl = torch.ones(10, dtype=torch.float64)
+    for fn in (lambda a, b, c: indexer_kl(a, b, c, q, ckv, cand, outside),
+               lambda a, b, c: indexer_kl_naive(a, b, c, q, ckv, outside, cand, scale)):
+        kl, dq, dk, dw = run_with_grads(fn, index_q, index_k, index_w, (), grad_kl)
+        assert torch.equal(kl, torch.zeros_like(kl))
+        for name, g in (("dq", dq), ("dk", dk), ("dw", dw)):
+            assert torch.equal(g, torch.zeros_like(g)), name
+
+
+def test_gradcheck_float64():
+    index_q, index_k, index_w, q, ckv, cand, outside = make_case(4, T=5, Hi=2, Di=3, H=2, D=4, Nc=6, C=4,
+                                                                 empty_rows=(2,))
+    inputs = tuple(t.requires_grad_(True) for t in (index_q, index_k, index_w))
+    assert torch.autograd.gradcheck(lambda a, b, c: indexer_kl(a, b, c, q, ckv, cand, outside), inputs,
+                                    eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_teacher_operands_get_no_gradient():
+    index_q, index_k, index_w, q, ckv, cand, outside = make_case(5)
+    for t in (index_q, index_k, index_w, q, ckv, outside):
+        t.requires_grad_(True)
+    indexer_kl(index_q, index_k, index_w, q, ckv, cand, outside).sum().backward()
+    assert q.grad is None and ckv.grad is None and outside.grad is None
+    assert all(t.grad is not None for t in (index_q, index_k, index_w))
+    index_q.grad = index_k.grad = index_w.grad = None
+    indexer_kl_naive(index_q, index_k, index_w, q, ckv, outside, cand, 0.5).sum().backward()
+    assert q.grad is None and ckv.grad is None and outside.grad is None
+
+
+def test_tiny_mass_teacher_still_normalised():
+    """Outside mass e^70 makes every teacher probability ~1e-30 (still above FLT_MIN in total): the teacher is
+    renormalised to sum 1, so the KL is O(1) and matches the float64 oracle (fp32 inputs, fp32 math)."""
+    index_q, index_k, index_w, q, ckv, cand, outside = make_case(6, empty_rows=(3,), dtype=torch.float32)
+    outside = torch.full_like(outside, 70.0)
+    got = indexer_kl(index_q, index_k, index_w, q, ckv, cand, outside)
+    assert got.dtype == torch.float32
+    want = kl_oracle(index_q.double(), index_k.double(), index_w.double(), q.double(), ckv.double(), cand,
+                     outside.double(), q.shape[-1] ** -0.5)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    assert want.max() > 1e-2, "the KL is O(1), i.e. the ~1e-30 teacher was normalised"
+    # Only the teacher's scale changed against a moderate outside mass (equal across heads): same KL.
+    moderate = indexer_kl(index_q, index_k, index_w, q, ckv, cand, torch.full_like(outside, 30.0))
+    torch.testing.assert_close(got, moderate, rtol=1e-5, atol=1e-6)
+
+
+def test_teacher_mass_below_flt_min_gives_finite_zero():
+    """exp(-200) underflows fp32: the teacher is 0 (floor FLT_MIN avoids 0/0), KL and gradients are 0, no NaN."""
+    index_q, index_k, index_w, q, ckv, cand, outside = make_case(7, dtype=torch.float32)
+    outside = torch.full_like(outside, 200.0)
+    kl, dq, dk, dw = run_with_grads(lambda a, b, c, *r: indexer_kl(a, b, c, *r), index_q, index_k, index_w,
+                                    (q, ckv, cand, outside), torch.ones(q.shape[0], dtype=torch.float64))
+    for name, t in (("kl", kl), ("dq", dq), ("dk", dk), ("dw", dw)):
+        assert torch.equal(t, torch.zeros_like(t)), name
+
+
+def test_index_set_candidates_and_chunking(monkeypatch):
+    """Candidates given as an IndexSet (all visible entries: the warm-up teacher) equal the materialised tensor,
+    and running one row per chunk changes nothing."""
+    torch.manual_seed(8)
+    pack = build_pack(RAGGED_R4 + (21,), padding=4)
+    lay = pack.compressed(4)
+    T, Nc = pack.total_rows, lay.capacity
+    index_q, index_k, index_w = torch.randn(T, 2, 4), torch.randn(Nc, 4), torch.randn(T, 2)
+    q, ckv, outside = torch.randn(T, 3, 8), torch.randn(Nc, 8), torch.randn(T, 3)
+    index_q, index_k, index_w, q, ckv, outside = (t.double() for t in (index_q, index_k, index_w, q, ckv, outside))
+    visible = VisibleCompressed(lay, T)
+    grad_kl = torch.rand(T, dtype=torch.float64)
+
+    def fn(cands):
+        return lambda a, b, c: indexer_kl(a, b, c, q, ckv, cands, outside)
+    by_set = run_with_grads(fn(visible), index_q, index_k, index_w, (), grad_kl)
+    by_tensor = run_with_grads(fn(visible.materialize()), index_q, index_k, index_w, (), grad_kl)
+    ref = run_with_grads(lambda a, b, c: kl_oracle(a, b, c, q, ckv, visible.materialize(), outside, 8 ** -0.5),
+                         index_q, index_k, index_w, (), grad_kl)
+    chunks = wrap_chunk_rows(kl_ref, monkeypatch, budget=1)
+    one_row = run_with_grads(fn(visible), index_q, index_k, index_w, (), grad_kl)
+    assert len(chunks) == 2 * T, "forward and backward ran one row per chunk"
+    for name, a, b, c, d in zip(("kl", "dq", "dk", "dw"), by_set, by_tensor, one_row, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{name} set vs tensor: {m}")
+        torch.testing.assert_close(a, c, rtol=0, atol=0, msg=lambda m: f"{name} one row per chunk: {m}")
+        torch.testing.assert_close(a, d, **FP64, msg=lambda m: f"{name} vs oracle: {m}")
+    pad = ~pack.row_is_real
+    assert torch.equal(by_set[0][pad], torch.zeros_like(by_set[0][pad]))
+    # Rows that see no compressed entry yet (position < 3) contribute 0.
+    blind = pack.row_is_real & (lay.row_visible == 0)
+    assert blind.sum() > 0 and torch.equal(by_set[0][blind], torch.zeros_like(by_set[0][blind]))
+    assert not math.isnan(by_set[0].sum().item())
+
+
+def test_no_compressed_entry_with_static_max_seqlen():
+    """max_seqlen 8 for a 3-row batch: capacity 0, candidate width 2, every slot -1: KL 0 and zero gradients."""
+    torch.manual_seed(9)
+    pack = dsv4attn.pack_batch(torch.tensor([0, 3], dtype=torch.int32), 3, 8)
+    lay = pack.compressed(4)
+    assert lay.capacity == 0 and lay.max_per_doc == 2
+    index_q, index_k, index_w = torch.randn(3, 2, 4), torch.randn(0, 4), torch.randn(3, 2)
+    kl, dq, dk, dw = run_with_grads(
+        lambda a, b, c: indexer_kl(a, b, c, torch.randn(3, 2, 8), torch.randn(0, 8), VisibleCompressed(lay, 3),
+                                   torch.randn(3, 2)), index_q, index_k, index_w, (), torch.ones(3))
+    assert torch.equal(kl, torch.zeros(3)) and torch.equal(dq, torch.zeros_like(dq))
+    assert dk.shape == (0, 4) and torch.equal(dw, torch.zeros_like(dw))
