@@ -289,3 +289,19 @@ def test_deterministic():
     second = run_with_grads(ops_fn(index_set), q, kv, sink, grad_out)
     for name, a, b in zip(("out", "lse", "dq", "dkv", "dsink"), first, second):
         assert torch.equal(a, b), name
+
+
+def test_empty_row_with_minus_inf_sink_gives_zero_not_nan():
+    """Decision 5: a row with no valid key outputs 0, even when the sink is -inf (0/0 must not leak)."""
+    torch.manual_seed(11)
+    q = torch.randn(3, 2, 8, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    idx = torch.tensor([[0, 1], [-1, -1], [2, -1]], dtype=torch.int32)
+    sink = torch.tensor([float("-inf"), 0.3], dtype=torch.float64, requires_grad=True)
+    out, lse = dsv4attn.ops.sparse_attention(q, kv, idx, sink)
+    out.square().sum().backward()
+    assert (out[1] == 0).all() and (lse[1] == float("-inf")).all()
+    assert (q.grad[1] == 0).all()
+    for g in (q.grad, kv.grad, sink.grad):
+        assert torch.isfinite(g).all()
+    assert sink.grad[0] == 0

@@ -46,4 +46,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
         return sparse_attention_reference(q, kv, index_set, attn_sink, scale)
 
 
+try:  # registers the Triton kernel with the backend (used on CUDA); CPU-only installs run the reference
+    from . import triton as _triton_kernels  # noqa: F401
+except ImportError:
+    _triton_kernels = None
+
 __all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_naive"]

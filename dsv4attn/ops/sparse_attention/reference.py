@@ -33,6 +33,12 @@ def _chunk_probs(q_c, kv, idx, sink, scale, cd):
     return keys, valid, scores
 
 
+def _denominator(lse, sink):
+    """log(sum exp z + exp sink); 0 where both are -inf (empty row, sink -inf) so that p = 0, never NaN."""
+    denom = torch.logaddexp(lse, sink[None, :])
+    return torch.where(denom == float("-inf"), torch.zeros_like(denom), denom)
+
+
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, attn_sink, index_set: IndexSet, scale: float):
@@ -44,7 +50,7 @@ class _SparseAttention(torch.autograd.Function):
         for s, e in chunk_rows(T, index_set.width * (H + D)):
             keys, _, scores = _chunk_probs(q[s:e], kv, index_set.rows(s, e), sink, scale, cd)
             lse_c = torch.logsumexp(scores, dim=-1)                       # -inf for an empty set
-            denom = torch.logaddexp(lse_c, sink[None, :])
+            denom = _denominator(lse_c, sink)
             p = torch.exp(scores - denom[..., None])
             out[s:e] = torch.einsum("chk,ckd->chd", p, keys).to(q.dtype)
             lse[s:e] = lse_c
@@ -68,7 +74,7 @@ class _SparseAttention(torch.autograd.Function):
         for s, e in chunk_rows(T, index_set.width * (H + D)):
             idx = index_set.rows(s, e)
             keys, valid, scores = _chunk_probs(q[s:e], kv, idx, sink, scale, cd)
-            denom = torch.logaddexp(lse[s:e], sink[None, :])
+            denom = _denominator(lse[s:e], sink)
             p = torch.exp(scores - denom[..., None])
             do = grad_out[s:e].to(cd)
             dp = torch.einsum("chd,ckd->chk", do, keys)

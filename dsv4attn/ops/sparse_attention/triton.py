@@ -1,0 +1,366 @@
+"""Triton kernels for sparse MQA attention with a per-head sink (spec decision 5), forward and backward.
+
+Same contract as :func:`.reference.sparse_attention_reference`: for query row t and head h over the key rows
+``S_t = {idx[t, k] >= 0}`` of the single shared KV head (K == V),
+``z = scale * q.kv``, ``lse = logsumexp(z)`` (fp32, excludes the sink, -inf when S_t is empty),
+``p = exp(z - logaddexp(lse, sink))``, ``out = p @ kv`` (0 when S_t is empty).
+
+Layout (see spec/PERFORMANCE.md): one program per (query row, head block, value-column slice). The heads of a
+block are the M dimension of every ``tl.dot`` tile (MQA: all heads share the gathered rows), the row's K indices
+are walked in blocks of ``BLOCK_N`` gathered kv rows. Scores need the full D contraction, so they are accumulated
+over ``BLOCK_DK`` column chunks; the value / gradient columns are split over ``D // BLOCK_DV`` programs so the
+fp32 accumulator stays ``BLOCK_H x BLOCK_DV`` (a 64 x 512 fp32 accumulator does not fit in registers). The
+price is that each value slice recomputes the scores.
+
+Backward (first version): a pre-pass kernel computes Delta = dO.out = sum_k p_k dO.v_k from fp32 probabilities
+(as the reference does; dO . bf16-out would carry the output rounding into every gradient), d_sink is a (T, H)
+reduction in PyTorch, and the main kernel recomputes p from the saved lse, forms ``dz = p * (dO.v - Delta)``,
+writes its dq slice and adds
+``scale * dz^T q + p^T dO`` into a fp32 dKV buffer with atomics (simple, but atomic-bound: PERFORMANCE.md).
+"""
+from __future__ import annotations
+
+import os
+
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from ... import backend
+from ..index_sets import IndexSet
+from .reference import sparse_attention_reference
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Tile sizes per head_dim D; keys: BLOCK_N (gathered rows per step), BLOCK_DK (score contraction chunk),
+# BLOCK_DV (value / gradient columns per program), num_warps, num_stages. Benchmarks may override them.
+FWD_CONFIGS = {
+    64: dict(BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, num_warps=4, num_stages=2),
+    128: dict(BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=128, num_warps=4, num_stages=2),
+    256: dict(BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=2),
+    # One program owns all 512 value columns (64 x 512 fp32 accumulator over 8 warps): no score recompute; on the
+    # H200 this measured 3.9 ms vs 6.5-7.0 ms for two 256-column programs (T = 8192, 2026-11-30).
+    512: dict(BLOCK_N=32, BLOCK_DK=128, BLOCK_DV=512, num_warps=8, num_stages=2),
+}
+BWD_CONFIGS = {
+    64: dict(BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=64, num_warps=4, num_stages=1),
+    128: dict(BLOCK_N=32, BLOCK_DK=128, BLOCK_DV=128, num_warps=4, num_stages=1),
+    256: dict(BLOCK_N=32, BLOCK_DK=128, BLOCK_DV=128, num_warps=8, num_stages=1),
+    512: dict(BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=128, num_warps=4, num_stages=2),   # 35.7 ms vs 50.7 (T = 8192)
+}
+SUPPORTED_D = tuple(FWD_CONFIGS)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _dot(a, b, DOT_MODE: tl.constexpr):
+    # DOT_MODE 0: native tensor-core dot (fp16/bf16 operands, fp32 accumulation).
+    # DOT_MODE 1: fp32 operands in true fp32 (never silently tf32: the fp32 path promises ~1e-5 relative).
+    # DOT_MODE 2: bf16 under the CPU interpreter (TRITON_INTERPRET=1), which mis-multiplies bf16 tiles (Triton 3.9):
+    #             operands are widened to fp32 first; bf16 x bf16 products are exact in fp32, as on tensor cores.
+    if DOT_MODE == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    elif DOT_MODE == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _round_to(x, PTR, DOT_MODE: tl.constexpr):
+    """fp32 tile -> the element dtype of ``PTR`` (a dot operand or a store), rounding to nearest even as GPUs do."""
+    if DOT_MODE == 2:
+        # The interpreter truncates fp32 -> bf16 (a biased error); round the bits ourselves and stay fp32.
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(PTR.dtype.element_ty)
+
+
+@triton.jit
+def _sparse_attn_fwd_kernel(
+    Q, KV, IDX, SINK, OUT, LSE,
+    H, K, qk_scale_log2,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
+):
+    # Program order: the value slices and head blocks of one row are adjacent, so they hit the same gathered
+    # rows in L2; neighbouring rows (which share most of their window) follow.
+    NUM_DV: tl.constexpr = D // BLOCK_DV
+    pid = tl.program_id(0)
+    vb = pid % NUM_DV
+    hb = (pid // NUM_DV) % NUM_HB
+    t = (pid // (NUM_DV * NUM_HB)).to(tl.int64)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = vb * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    q_rows = Q + t * H * D + offs_h[:, None] * D
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)          # running max, log2 domain
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for start in range(0, K, BLOCK_N):
+        n = start + offs_n
+        idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
+        valid = idx >= 0
+        kv_rows = KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * D
+        s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        for d0 in tl.static_range(0, D, BLOCK_DK):
+            q_c = tl.load(q_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
+            k_c = tl.load(kv_rows + d0 + offs_dk[None, :], mask=valid[:, None], other=0.0)
+            s += _dot(q_c, tl.trans(k_c), DOT_MODE)
+        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # An all-invalid block keeps m at -inf: shift by 0 instead so that no -inf - -inf NaN appears.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(kv_rows + offs_dv[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(_round_to(p, KV, DOT_MODE), v, DOT_MODE)
+        m_i = m_new
+
+    # Sink in the denominator only: out = acc / (l + 2^(sink*log2e - m)); empty rows (l == 0) give exactly 0.
+    sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0)
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    denom = l_i + tl.exp2(sink * 1.4426950408889634 - m_safe)
+    has_keys = l_i > 0
+    out = tl.where(has_keys[:, None], acc / denom[:, None], 0.0)
+    tl.store(OUT + t * H * D + offs_h[:, None] * D + offs_dv[None, :], _round_to(out, OUT, DOT_MODE),
+             mask=h_mask[:, None])
+    if vb == 0:
+        lse = tl.where(has_keys, (m_safe + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(LSE + t * H + offs_h, lse, mask=h_mask)
+
+
+@triton.jit
+def _sparse_attn_bwd_delta_kernel(
+    Q, KV, IDX, DO, DENOM2, DELTA,
+    H, K, qk_scale_log2,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
+):
+    # Delta = dO . out = sum_k p_k dO.v_k from the fp32 probabilities, as the reference does: dO . (bf16 out)
+    # would carry the output's rounding (and the bf16 P operand's) into d_sink, dq and dkv.
+    pid = tl.program_id(0)
+    hb = pid % NUM_HB
+    t = (pid // NUM_HB).to(tl.int64)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    q_rows = Q + t * H * D + offs_h[:, None] * D
+    do_rows = DO + t * H * D + offs_h[:, None] * D
+    denom2 = tl.load(DENOM2 + t * H + offs_h, mask=h_mask, other=0.0)
+    delta = tl.zeros([BLOCK_H], tl.float32)
+    for start in range(0, K, BLOCK_N):
+        n = start + offs_n
+        idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
+        valid = idx >= 0
+        row_off = tl.where(valid, idx, 0).to(tl.int64)[:, None] * D
+        s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        dp = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        for d0 in tl.static_range(0, D, BLOCK_DK):
+            k_c = tl.load(KV + row_off + d0 + offs_dk[None, :], mask=valid[:, None], other=0.0)
+            q_c = tl.load(q_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
+            do_c = tl.load(do_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
+            s += _dot(q_c, tl.trans(k_c), DOT_MODE)
+            dp += _dot(do_c, tl.trans(k_c), DOT_MODE)
+        live = h_mask[:, None] & valid[None, :]
+        p = tl.where(live, tl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
+        delta += tl.sum(p * dp, 1)
+    tl.store(DELTA + t * H + offs_h, delta, mask=h_mask)
+
+
+@triton.jit
+def _sparse_attn_bwd_kernel(
+    Q, KV, IDX, DO, DENOM2, DELTA, DQ, DKV,
+    H, K, scale, qk_scale_log2,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
+):
+    NUM_DV: tl.constexpr = D // BLOCK_DV
+    pid = tl.program_id(0)
+    cb = pid % NUM_DV
+    hb = (pid // NUM_DV) % NUM_HB
+    t = (pid // (NUM_DV * NUM_HB)).to(tl.int64)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_c = cb * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    q_rows = Q + t * H * D + offs_h[:, None] * D
+    do_rows = DO + t * H * D + offs_h[:, None] * D
+
+    # log2 of the full denominator logaddexp(lse, sink) (PyTorch precomputes it), and Delta = rowsum(dO * O).
+    denom2 = tl.load(DENOM2 + t * H + offs_h, mask=h_mask, other=0.0)
+    delta = tl.load(DELTA + t * H + offs_h, mask=h_mask, other=0.0)
+    q_slice = tl.load(q_rows + offs_c[None, :], mask=h_mask[:, None], other=0.0)
+    do_slice = tl.load(do_rows + offs_c[None, :], mask=h_mask[:, None], other=0.0)
+    dq = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for start in range(0, K, BLOCK_N):
+        n = start + offs_n
+        idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
+        valid = idx >= 0
+        row_off = tl.where(valid, idx, 0).to(tl.int64)[:, None] * D
+        s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        dp = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        for d0 in tl.static_range(0, D, BLOCK_DK):
+            k_c = tl.load(KV + row_off + d0 + offs_dk[None, :], mask=valid[:, None], other=0.0)
+            q_c = tl.load(q_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
+            do_c = tl.load(do_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
+            s += _dot(q_c, tl.trans(k_c), DOT_MODE)
+            dp += _dot(do_c, tl.trans(k_c), DOT_MODE)
+        # Padded heads and empty slots get p = 0 (their denominators are meaningless).
+        live = h_mask[:, None] & valid[None, :]
+        p = tl.where(live, tl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
+        dz = p * (dp - delta[:, None])
+        v = tl.load(KV + row_off + offs_c[None, :], mask=valid[:, None], other=0.0)
+        dq += _dot(_round_to(dz, KV, DOT_MODE), v, DOT_MODE)
+        dkv = _dot(_round_to(tl.trans(dz * scale), KV, DOT_MODE), q_slice, DOT_MODE)
+        dkv += _dot(_round_to(tl.trans(p), KV, DOT_MODE), do_slice, DOT_MODE)
+        # Duplicate rows inside a block are fine: each element is its own atomic add.
+        tl.atomic_add(DKV + row_off + offs_c[None, :], dkv, mask=valid[:, None])
+    tl.store(DQ + t * H * D + offs_h[:, None] * D + offs_c[None, :], _round_to(dq * scale, DQ, DOT_MODE),
+             mask=h_mask[:, None])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _block_h(H: int) -> int:
+    # tl.dot needs M >= 16; 64 heads per block matches the V4 case (H = 64) and FlashMLA's tiles.
+    return min(64, max(16, triton.next_power_of_2(H)))
+
+
+def _launch_args(q: torch.Tensor, config: dict):
+    T, H, D = q.shape
+    cfg = dict(config)
+    launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    block_h = _block_h(H)
+    num_hb = triton.cdiv(H, block_h)
+    grid = (T * num_hb * (D // cfg["BLOCK_DV"]),)
+    dot_mode = 1 if q.dtype == torch.float32 else (2 if q.dtype == torch.bfloat16 and _interpreting() else 0)
+    meta = dict(D=D, BLOCK_H=block_h, NUM_HB=num_hb, DOT_MODE=dot_mode, **cfg)
+    return grid, meta, launch
+
+
+def _smaller(config: dict) -> dict | None:
+    """Next configuration to try after a shared-memory overflow: fewer stages first, then fewer rows per step."""
+    if config["num_stages"] > 1:
+        return dict(config, num_stages=config["num_stages"] - 1)
+    if config["BLOCK_N"] > 16:
+        return dict(config, BLOCK_N=config["BLOCK_N"] // 2)
+    return None
+
+
+def _launch(kernel, grid_of, q, config: dict, args: tuple):
+    """Launch ``kernel``, shrinking ``config`` if this GPU's shared memory is too small for it."""
+    while True:
+        grid, meta, launch = _launch_args(q, config)
+        try:
+            return kernel[grid_of(grid, meta)](*args, **meta, **launch)
+        except OutOfResources:
+            config = _smaller(config)
+            if config is None:
+                raise
+
+
+def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
+    """q (T, H, D), kv (N, D), idx (T, K) int32, sink (H,) fp32 -> out (T, H, D) q.dtype, lse (T, H) fp32."""
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    _launch(_sparse_attn_fwd_kernel, lambda grid, meta: grid, q, config or FWD_CONFIGS[D],
+            (q, kv, idx, sink, out, lse, H, idx.shape[1], scale * LOG2E))
+    return out, lse
+
+
+def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None):
+    """Returns dq (T, H, D) q.dtype, dkv (N, D) fp32, d_sink (H,) fp32."""
+    T, H, D = q.shape
+    denom = torch.logaddexp(lse, sink[None, :])                 # full denominator, includes the sink
+    denom2 = (denom * LOG2E).contiguous()
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    delta = torch.zeros(T, H, dtype=torch.float32, device=q.device)
+    if T > 0:
+        config = config or BWD_CONFIGS[D]
+        # The Delta pre-pass has no value columns: it takes the whole row (BLOCK_DV is only for the grid).
+        _launch(_DeltaKernel(), lambda grid, meta: (T * meta["NUM_HB"],), q, config,
+                (q, kv, idx, grad_out, denom2, delta, H, idx.shape[1], scale * LOG2E))
+        _launch(_sparse_attn_bwd_kernel, lambda grid, meta: grid, q, config,
+                (q, kv, idx, grad_out, denom2, delta, dq, dkv, H, idx.shape[1], scale, scale * LOG2E))
+    # d_sink = -sum_t p_sink * Delta; p_sink = 0 where the sink is -inf (also on empty rows, where denom = -inf).
+    p_sink = torch.where(denom == float("-inf"), 0.0, torch.exp(sink[None, :] - denom))
+    d_sink = -(p_sink * delta).sum(0)
+    return dq, dkv, d_sink
+
+
+class _DeltaKernel:
+    """``kernel[grid](...)`` adapter for the Delta pre-pass, which takes no BLOCK_DV."""
+
+    def __getitem__(self, grid):
+        def call(*args, BLOCK_DV, **kwargs):
+            return _sparse_attn_bwd_delta_kernel[grid](*args, **kwargs)
+        return call
+
+
+class _SparseAttentionTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, attn_sink, idx, scale: float):
+        q, kv = q.contiguous(), kv.contiguous()
+        sink = attn_sink.float().contiguous()
+        out, lse = _sparse_attn_fwd(q, kv, idx, sink, scale)
+        ctx.save_for_backward(q, kv, sink, idx, out, lse)
+        ctx.scale, ctx.sink_dtype = scale, attn_sink.dtype
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, kv, sink, idx, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dkv, d_sink = _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out.contiguous(), ctx.scale)
+        return dq, dkv.to(kv.dtype), d_sink.to(ctx.sink_dtype), None, None
+
+
+def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, index_set: IndexSet, attn_sink: torch.Tensor,
+                            scale: float):
+    """Triton implementation behind :func:`dsv4attn.ops.sparse_attention` (arguments already checked).
+
+    Args:
+        q: (T, H, D) queries, fp16/bf16/fp32; D in {64, 128, 256, 512}; any H.
+        kv: (N, D) the single shared KV head, same dtype as ``q`` (keys == values).
+        index_set: :class:`IndexSet` of width K; ``rows(0, T)`` gives (T, K) int64 rows of ``kv``, ``-1`` = empty.
+        attn_sink: (H,) per-head sink logit, fp32 (fp64 accepted; its gradient keeps its dtype).
+        scale: softmax scale.
+    Returns:
+        out (T, H, D) ``q.dtype`` (0 for rows without a valid index) and lse (T, H) fp32, natural log, excluding
+        the sink, ``-inf`` for empty rows. Differentiable in q, kv and attn_sink.
+
+    float64 inputs (the kernels have no fp64 path) and head dims outside {64, 128, 256, 512} **fall back to the
+    reference implementation** rather than raising, so float64 checks keep working on any backend.
+    """
+    if q.dtype not in KERNEL_DTYPES or q.shape[-1] not in SUPPORTED_D:
+        return sparse_attention_reference(q, kv, index_set, attn_sink, scale)
+    T = q.shape[0]
+    idx = index_set.rows(0, T).to(device=q.device, dtype=torch.int32).contiguous()
+    return _SparseAttentionTriton.apply(q, kv, attn_sink, idx, float(scale))
+
+
+backend.register_kernel("sparse_attention", sparse_attention_triton)
+
+__all__ = ["sparse_attention_triton"]
