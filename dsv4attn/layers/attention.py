@@ -51,6 +51,7 @@ class HybridAttention(KeepFp32Params):
         self.indexer = (Indexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim, c.rms_norm_eps)
                         if compress_ratio == 4 else None)
         self._inv_freq = layer_rope_frequencies(config, compress_ratio)   # float64, not a buffer: never cast
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}           # per-device copies (no H2D per call)
         self.indexer_loss: torch.Tensor | None = None
         self.reset_parameters()
 
@@ -95,7 +96,7 @@ class HybridAttention(KeepFp32Params):
         elif pack.total_rows != x.shape[0]:
             raise ValueError(f"pack was built for {pack.total_rows} rows, hidden_states has {x.shape[0]}")
         c, T, H, D = self.config, x.shape[0], self.config.num_attention_heads, self.config.head_dim
-        inv_freq = self._inv_freq
+        inv_freq = self._rope_table(x.device)
         pos = pack.row_position
 
         qr = self.q_a_norm(self.q_a_proj(x))
@@ -133,6 +134,11 @@ class HybridAttention(KeepFp32Params):
         out = apply_rope(out, pos, inv_freq, inverse=True)   # out of place: never a view of `out` (9.1)
         grouped = self.o_a_proj(out.reshape(T, c.o_groups, H * D // c.o_groups))
         return self.o_b_proj(grouped.reshape(T, c.o_groups * c.o_lora_rank))
+
+    def _rope_table(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq_on:
+            self._inv_freq_on[device] = self._inv_freq.to(device)
+        return self._inv_freq_on[device]
 
     def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, selection, pack):
         """coeff * sum_t KL_t / real rows. Teacher operands are detached (9.9); ``selection`` is the top-k

@@ -15,13 +15,18 @@ class KeepFp32Params(nn.Module):
     _fp32_params: tuple[str, ...] = ()
 
     def _apply(self, fn, recurse=True):
-        saved = {name: getattr(self, name).data for name in self._fp32_params}
+        saved = {}
+        for name in self._fp32_params:
+            p = getattr(self, name)
+            saved[name] = (p.data, None if p.grad is None else p.grad.data)
         super()._apply(fn, recurse)
-        for name, before in saved.items():
+        for name, (before, before_grad) in saved.items():
             param = getattr(self, name)
             want = torch.float64 if param.dtype == torch.float64 else torch.float32
             if param.dtype != want:
                 param.data = before.to(device=param.device, dtype=want)
+                if param.grad is not None:  # the gradient keeps the parameter's dtype, unrounded
+                    param.grad.data = before_grad.to(device=param.device, dtype=want)
         return self
 
 

@@ -322,3 +322,14 @@ def test_bf16_autocast_stays_close_to_float64(ratio):
     assert got.dtype == torch.bfloat16
     err = (got.double() - want).abs().max() / want.abs().max()
     assert err < 2e-2, f"relative max error {err:.3e}"
+
+
+def test_fp32_parameter_gradients_survive_a_bf16_cast():
+    """A cast after backward keeps the fp32 parameters' gradients fp32 and unrounded (optimizer-safe)."""
+    layer = randomize_(dsv4attn.HybridAttention(dsv4attn.AttentionConfig.tiny(), 128))
+    layer(torch.randn(300, 128)).square().sum().backward()
+    before = layer.sinks.grad.clone(), layer.compressor.position_bias.grad.clone()
+    layer.to(torch.bfloat16)
+    assert layer.sinks.grad.dtype == torch.float32 and torch.equal(layer.sinks.grad, before[0])
+    assert torch.equal(layer.compressor.position_bias.grad, before[1])
+    assert layer.q_a_proj.weight.grad.dtype == torch.bfloat16

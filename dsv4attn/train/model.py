@@ -1,0 +1,143 @@
+"""A small decoder LM built from dsv4attn layers (the model of the training job).
+
+token embedding -> n x [RMSNorm -> HybridAttention -> residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> head
+
+The per-layer compress ratio comes from ``AttentionConfig.compress_ratios`` (one layer per entry). MoE, hash
+routing, multi-token prediction and mHC (the V4 residual hyper-connections) are out of scope: plain residuals and
+one dense MLP per block.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import AttentionConfig
+from ..layers import HybridAttention
+from ..layers.common import RMSNorm
+from ..packing import pack_batch
+
+DEFAULT_RATIOS = (0, 4, 128, 4)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the LM; the attention hyper-parameters (and the layer count) live in ``attention``."""
+
+    attention: AttentionConfig          # one layer per entry of attention.compress_ratios
+    vocab_size: int = 256               # byte-level
+    mlp_hidden: int = 384               # SwiGLU inner width
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attention, dict):
+            self.attention = AttentionConfig(**self.attention)
+        for name in ("vocab_size", "mlp_hidden"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not self.attention.compress_ratios:
+            raise ValueError("attention.compress_ratios must name at least one layer, got ()")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.attention.compress_ratios)
+
+    def to_dict(self) -> dict:
+        return {"attention": self.attention.to_dict(), "vocab_size": self.vocab_size,
+                "mlp_hidden": self.mlp_hidden}
+
+
+# Model presets: "tiny" runs on a laptop CPU in minutes; "small" is the GPU throughput preset.
+PRESETS = {
+    "tiny": lambda: dict(attention=AttentionConfig.tiny(), mlp_hidden=384),
+    "small": lambda: dict(attention=AttentionConfig.tiny(
+        hidden_size=512, num_attention_heads=8, head_dim=128, qk_rope_head_dim=32, q_lora_rank=256, o_groups=4,
+        o_lora_rank=128, sliding_window=128, index_n_heads=8, index_head_dim=64, index_topk=64), mlp_hidden=1536),
+}
+
+
+def model_config(preset: str, ratios=DEFAULT_RATIOS, indexer_loss_coeff: float = 0.01) -> ModelConfig:
+    """The ``preset`` model with the per-layer ``ratios`` and the indexer-loss coefficient."""
+    if preset not in PRESETS:
+        raise ValueError(f"model preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    values = PRESETS[preset]()
+    values["attention"] = dataclasses.replace(values["attention"], compress_ratios=tuple(ratios),
+                                              indexer_loss_coeff=indexer_loss_coeff)
+    return ModelConfig(**values)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, compress_ratio: int):
+        super().__init__()
+        a = config.attention
+        self.attn_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.attn = HybridAttention(a, compress_ratio)
+        self.mlp_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = SwiGLU(a.hidden_size, config.mlp_hidden)
+
+    def forward(self, x, pack, phase: str, captured: list | None = None) -> torch.Tensor:
+        h = self.attn_norm(x)
+        if captured is not None:
+            captured.append((self.attn, h))
+        x = x + self.attn(h, cu_seqlens=pack.cu_seqlens, max_seqlen=pack.max_seqlen, phase=phase, pack=pack)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DecoderLM(nn.Module):
+    """``model(tokens (T,), cu_seqlens (N+1,) int32, max_seqlen, phase) -> logits (T, vocab)``.
+
+    The packed metadata is built once per forward and shared by every layer. With ``captured`` (a list), each
+    block appends ``(attention_layer, attention_input)`` for evaluation probes.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        a = config.attention
+        self.embed = nn.Embedding(config.vocab_size, a.hidden_size)
+        self.blocks = nn.ModuleList(Block(config, r) for r in a.compress_ratios)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.head = nn.Linear(a.hidden_size, config.vocab_size, bias=False)
+        std = a.initializer_range
+        nn.init.normal_(self.embed.weight, std=std)
+        nn.init.normal_(self.head.weight, std=std)
+        for block in self.blocks:
+            nn.init.normal_(block.mlp.gate_up.weight, std=std)
+            # Residual-branch outputs start small (GPT-2 style) so the stack begins near the identity.
+            nn.init.normal_(block.mlp.down.weight, std=std / (2 * config.num_layers) ** 0.5)
+
+    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, phase: str,
+                captured: list | None = None) -> torch.Tensor:
+        pack = pack_batch(cu_seqlens, tokens.shape[0], max_seqlen)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, pack, phase, captured)
+        return self.head(self.norm(x))
+
+    def attention_layers(self) -> list[HybridAttention]:
+        return [b.attn for b in self.blocks]
+
+    def indexer_loss(self) -> torch.Tensor | None:
+        """Sum of the layers' detached indexer losses of the last training forward (None when no layer has one)."""
+        losses = [l.indexer_loss for l in self.attention_layers() if l.indexer_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, num_targets: int) -> torch.Tensor:
+    """Mean next-token cross entropy over rows with a target (``num_targets`` host int; 0 gives a zero loss)."""
+    total = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+    return total / max(num_targets, 1)
