@@ -98,7 +98,7 @@ LAYER_CASES = {
     "phase_typo_spares": (dict(phase="spares"), ValueError, r"phase.*'spares'"),
     "phase_capitalised": (dict(phase="Sparse"), ValueError, r"phase"),
     "phase_none": (dict(phase=None), ValueError, r"phase"),
-    "cp_group_not_none": (dict(cp_group=lambda: object()), ValueError, r"cp_group"),
+    "cp_group_not_a_process_group": (dict(cp_group=lambda: object()), TypeError, r"cp_group must be a "),
     "pack_for_other_rows": (dict(pack=lambda: pack_batch(_cu(), T + 8, MAX_SEQLEN)), ValueError, r"pack"),
 }
 

@@ -8,8 +8,10 @@ from .. import checks
 from ..checkpoints import load_attention_state_dict
 from ..config import AttentionConfig, check_phase, check_ratio
 from ..ops import indexer_kl, indexer_topk, sparse_attention
-from ..ops.index_sets import Concat, Explicit, VisibleCompressed, Window
+from ..ops.index_sets import Concat, Explicit, Rows, VisibleCompressed, Window
 from ..packing import PackedBatch, pack_batch
+from ..parallel.frame import single_device_frame
+from ..parallel.setup import context_parallel_frame
 from ..rope import apply_rope, layer_rope_frequencies
 from .common import AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm, rms_norm_unweighted
 from .compressor import Compressor
@@ -78,40 +80,55 @@ class HybridAttention(KeepFp32Params):
                 max_seqlen: int | None = None, phase: str = "sparse", cp_group=None,
                 pack: PackedBatch | None = None) -> torch.Tensor:
         """Args:
-            hidden_states: (T, hidden_size) packed rows (documents back to back, then capacity padding).
-            cu_seqlens: (N+1,) int32 document boundaries; ``None`` = one document of T rows.
+            hidden_states: (T, hidden_size) packed rows (documents back to back, then capacity padding); under
+                context parallelism this rank's contiguous slice (``dsv4attn.parallel.shard``).
+            cu_seqlens: (N+1,) int32 document boundaries of the *global* batch; ``None`` = one document.
             max_seqlen: host int >= the longest document (``None`` computes it: one device->host sync).
             phase: ``"dense"`` | ``"warmup"`` | ``"sparse"`` (decision 8; only ratio-4 layers behave differently).
-            cp_group: context-parallel process group; must be ``None`` in this version (see the README status).
-            pack: a prebuilt :func:`dsv4attn.packing.pack_batch` result, shared by all layers of a model.
+            cp_group: a torch.distributed process group for context parallelism (decision 10), or None.
+            pack: a prebuilt :func:`dsv4attn.packing.pack_batch` of the global batch, shared by all layers.
+        Returns (T, hidden_size): this call's rows.
         """
         phase = check_phase(phase)
         x = hidden_states
         self._check_input(x, cu_seqlens)
-        if cp_group is not None:
-            raise ValueError("cp_group: context parallelism is not available in this version of dsv4attn; "
-                             "pass cp_group=None (see the README support table)")
-        if pack is None:
-            pack = pack_batch(cu_seqlens, x.shape[0], max_seqlen, device=x.device)
-        elif pack.total_rows != x.shape[0]:
-            raise ValueError(f"pack was built for {pack.total_rows} rows, hidden_states has {x.shape[0]}")
+        if cp_group is None:
+            if pack is None:
+                pack = pack_batch(cu_seqlens, x.shape[0], max_seqlen, device=x.device)
+            elif pack.total_rows != x.shape[0]:
+                raise ValueError(f"pack was built for {pack.total_rows} rows, hidden_states has {x.shape[0]}")
+            frame, x_keys = single_device_frame(pack), x
+        else:
+            frame, x_keys = context_parallel_frame(x, cu_seqlens, max_seqlen, cp_group, self.halo_rows, pack)
+        return self._forward_frame(x, x_keys, frame, phase)
+
+    @property
+    def halo_rows(self) -> int:
+        """Rows of hidden states a context-parallel rank needs from its left neighbour (decision 10)."""
+        return max(self.config.sliding_window, {0: 0, 4: 8, 128: 128}[self.compress_ratio])
+
+    def _forward_frame(self, x, x_keys, frame, phase):
         c, T, H, D = self.config, x.shape[0], self.config.num_attention_heads, self.config.head_dim
-        inv_freq = self._rope_table(x.device)
-        pos = pack.row_position
+        pack, inv_freq = frame.pack, self._rope_table(x.device)
+        pos_q, pos_k = pack.row_position[frame.query_slice()], pack.row_position[frame.key_slice()]
+        n_keys = x_keys.shape[0]
 
         qr = self.q_a_norm(self.q_a_proj(x))
         q = rms_norm_unweighted(self.q_b_proj(qr).view(T, H, D), c.rms_norm_eps)
-        q = apply_rope(q, pos, inv_freq)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), pos, inv_freq)
+        q = apply_rope(q, pos_q, inv_freq)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x_keys)), pos_k, inv_freq)   # raw keys incl. the halo
 
-        window = Window(pack, c.sliding_window)
+        # Index sets in key coordinates: raw key rows first, then the gathered compressed rows.
+        window = Rows(Window(pack, c.sliding_window), frame.start, T, shift=-frame.key_start)
         keys, index_set, compressed = kv, window, None
         if self.compress_ratio:
-            compressed = self.compressor(x, pack, inv_freq)
-            keys = torch.cat([kv, compressed.to(kv.dtype)], dim=0)   # compressed entry i sits at row T + i
-            layout = pack.compressed(self.compress_ratio)
+            owned, lowering = frame.owned_entries(self.compress_ratio)
+            compressed = frame.gather(self.compressor(x_keys, owned, inv_freq))
+            keys = torch.cat([kv, compressed.to(kv.dtype)], dim=0)
+            visible = Rows(VisibleCompressed(pack.compressed(self.compress_ratio), pack.total_rows), frame.start, T,
+                           table=lowering)                                   # compressed-row coordinates
             if self.indexer is None or phase == "dense":
-                index_set = Concat(window, VisibleCompressed(layout, T, offset=T))
+                index_set = Concat(window, Rows(visible, 0, T, shift=n_keys))
 
         loss = None
         if self.indexer is not None:
@@ -120,18 +137,21 @@ class HybridAttention(KeepFp32Params):
                 if train_indexer:  # indexer not run; its parameters still get exact-zero gradients (decision 8)
                     loss = sum(p.sum() for p in self.indexer.parameters()) * 0.0
             else:
-                index_q, index_k, index_w = self.indexer(x.detach(), qr.detach(), pack, inv_freq)
-                topk = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), layout, c.index_topk)
-                index_set = Concat(window, Explicit(topk, offset=T))
+                index_q, index_k, index_w = self.indexer(x.detach(), qr.detach(), pos_q, x_keys.detach(), owned,
+                                                         inv_freq)
+                index_k = frame.gather(index_k)
+                topk = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), visible, c.index_topk)
+                index_set = Concat(window, Explicit(topk, offset=n_keys))
                 if train_indexer:
-                    loss = self._indexer_loss(q, kv, compressed, window, index_q, index_k, index_w,
-                                              topk if phase == "sparse" else layout, pack)
+                    candidates = Explicit(topk) if phase == "sparse" else visible
+                    loss = self._indexer_loss(q, kv, compressed, window, index_q, index_k, index_w, candidates,
+                                              pack)
 
         out, _ = sparse_attention(q, keys, index_set, self.sinks, c.softmax_scale)
         self.indexer_loss = None if loss is None else loss.detach()
         if loss is not None:
             out = AttachLoss.apply(out, loss)
-        out = apply_rope(out, pos, inv_freq, inverse=True)   # out of place: never a view of `out` (9.1)
+        out = apply_rope(out, pos_q, inv_freq, inverse=True)   # out of place: never a view of `out` (9.1)
         grouped = self.o_a_proj(out.reshape(T, c.o_groups, H * D // c.o_groups))
         return self.o_b_proj(grouped.reshape(T, c.o_groups * c.o_lora_rank))
 
@@ -140,17 +160,13 @@ class HybridAttention(KeepFp32Params):
             self._inv_freq_on[device] = self._inv_freq.to(device)
         return self._inv_freq_on[device]
 
-    def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, selection, pack):
-        """coeff * sum_t KL_t / real rows. Teacher operands are detached (9.9); ``selection`` is the top-k
-        (sparse teacher) or the compressed layout (dense teacher over every visible entry, warm-up)."""
+    def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, candidates, pack):
+        """coeff * sum_t KL_t / real rows of the global batch (under CP this rank's share). Teacher operands are
+        detached (9.9); ``candidates`` is the top-k (sparse teacher) or every visible entry (warm-up)."""
         sinks = self.sinks.detach()
         with torch.no_grad():
             _, window_lse = sparse_attention(q.detach(), kv.detach(), window, sinks, self.config.softmax_scale)
             outside_lse = torch.logaddexp(window_lse, sinks.to(window_lse.dtype))
-        if isinstance(selection, torch.Tensor):
-            candidates = Explicit(selection)
-        else:
-            candidates = VisibleCompressed(selection, pack.total_rows)
         kl = indexer_kl(index_q, index_k, index_w, q.detach(), compressed.detach(), candidates, outside_lse,
                         self.config.softmax_scale)
         return self.config.indexer_loss_coeff * kl.sum() / pack.num_real_rows.clamp(min=1).to(kl.dtype)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ..ops import compress_pool
-from ..packing import PackedBatch
+from ..packing import CompressedLayout, PackedBatch
 from ..rope import apply_rope
 from .common import KeepFp32Params, RMSNorm
 
@@ -32,7 +32,11 @@ class Compressor(KeepFp32Params):
         self.position_bias = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32))
         self.kv_norm = RMSNorm(head_dim, eps)
 
-    def forward(self, x: torch.Tensor, pack: PackedBatch, inv_freq: torch.Tensor) -> torch.Tensor:
-        layout = pack.compressed(self.ratio)
+    def forward(self, x: torch.Tensor, layout: PackedBatch | CompressedLayout, inv_freq: torch.Tensor
+                ) -> torch.Tensor:
+        """x (T, hidden) -> (layout.capacity, head_dim); ``layout`` is the ratio's CompressedLayout of x's rows
+        (or the PackedBatch to take it from)."""
+        if isinstance(layout, PackedBatch):
+            layout = layout.compressed(self.ratio)
         pooled = compress_pool(self.kv_proj(x), self.gate_proj(x), self.position_bias, layout)
         return apply_rope(self.kv_norm(pooled), layout.entry_position, inv_freq)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..packing import PackedBatch
+from ..packing import CompressedLayout
 from ..rope import apply_rope
 from .compressor import Compressor
 
@@ -26,10 +26,13 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False)
         self.compressor = Compressor(hidden_size, head_dim, ratio=4, eps=eps)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, pack: PackedBatch, inv_freq: torch.Tensor):
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, x_keys: torch.Tensor,
+                layout: CompressedLayout, inv_freq: torch.Tensor):
+        """x, qr: (T, .) query rows at ``positions``; x_keys: the rows ``layout`` (ratio 4) describes -- the same
+        rows on one device, with a left halo under context parallelism."""
         T = x.shape[0]
-        index_q = apply_rope(self.q_b_proj(qr).view(T, self.n_heads, self.head_dim), pack.row_position, inv_freq)
-        index_k = self.compressor(x, pack, inv_freq)
+        index_q = apply_rope(self.q_b_proj(qr).view(T, self.n_heads, self.head_dim), positions, inv_freq)
+        index_k = self.compressor(x_keys, layout, inv_freq)
         cd = torch.promote_types(x.dtype, torch.float32)
         index_weights = self.weights_proj(x).to(cd) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         return index_q, index_k, index_weights

@@ -67,6 +67,23 @@ class VisibleCompressed(IndexSet):
         return torch.where(valid, idx, torch.full_like(idx, -1))
 
 
+class Rows(IndexSet):
+    """``base`` seen from query rows ``row_offset .. row_offset + total_rows``, valid entries mapped through
+    ``table`` (if given) and shifted by ``shift``: how a context-parallel rank addresses its local key rows and
+    the gathered compressed rows with the global batch's index sets."""
+
+    def __init__(self, base: IndexSet, row_offset: int, total_rows: int, shift: int = 0,
+                 table: torch.Tensor | None = None):
+        self.base, self.row_offset, self.total_rows = base, row_offset, total_rows
+        self.shift, self.table, self.width = shift, table, base.width
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        idx = self.base.rows(start + self.row_offset, end + self.row_offset)
+        valid = idx >= 0
+        mapped = idx if self.table is None else self.table[idx.clamp(min=0)]
+        return torch.where(valid, mapped + self.shift, torch.full_like(idx, -1))
+
+
 class Concat(IndexSet):
     def __init__(self, *parts: IndexSet):
         self.parts = parts

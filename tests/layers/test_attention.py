@@ -258,7 +258,7 @@ def test_phases_build_their_own_graph(monkeypatch):
         layer(x, cu_seqlens=cu, max_seqlen=max_len, phase=phase)
     assert len(seen) == 2
     warm, sparse = seen
-    assert isinstance(warm, dsv4attn.ops.VisibleCompressed) and warm.width == max_len // 4
+    assert isinstance(warm.base, dsv4attn.ops.VisibleCompressed) and warm.width == max_len // 4
     assert isinstance(sparse, dsv4attn.ops.Explicit) and sparse.width == layer.config.index_topk
     with torch.no_grad():
         layer.eval()

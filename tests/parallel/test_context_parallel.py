@@ -1,0 +1,149 @@
+"""Context parallelism on the CPU (gloo, spawned processes): CP == the single-process run.
+
+One spawn per world size runs every case in its workers (process start-up dominates the cost):
+ratios 0/4/128 x phases dense/warmup/sparse in float64 (tight) and one float32 pass, on a pack where documents
+straddle ranks, a ratio-4 and a ratio-128 group cross a seam, documents start inside a halo, one document spans
+three ranks, with an empty document and capacity padding. Compared: outputs, input gradients, CP-summed parameter
+gradients and the (CP-summed) indexer loss. Also the primitives on their own and the too-few-rows error.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import dsv4attn
+from dsv4attn.parallel import gather_rows, left_halo, shard, unshard
+
+# Starts 0 1 4 8 13 13 99 399 408 425; 555 real rows, 5 padding rows -> 560 = 2 x 280 = 4 x 140.
+LENGTHS = (1, 3, 4, 5, 0, 86, 300, 9, 17, 130)
+TOTAL_ROWS = 560
+
+
+def _pack():
+    cu = torch.tensor((0,) + LENGTHS, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return cu, max(LENGTHS)
+
+
+def _layer(ratio, dtype, seed=0):
+    torch.manual_seed(seed)
+    layer = dsv4attn.HybridAttention(dsv4attn.AttentionConfig.tiny(), ratio)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name == "sinks" or name.endswith("position_bias"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    return layer.to(dtype).train()
+
+
+def _run(layer, x, g, phase, **kw):
+    x = x.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    y = layer(x, phase=phase, **kw)
+    (y * g).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters()}
+    loss = layer.indexer_loss
+    return y.detach(), x.grad.detach(), grads, (None if loss is None else loss.clone())
+
+
+def _check_primitives(group, world, rank):
+    rows, width = 6, 3
+    x = (torch.arange(world * rows * 2, dtype=torch.float64).view(world * rows, 2) + 1).requires_grad_(False)
+    x_local = shard(x, group).clone().requires_grad_(True)
+    halo = left_halo(x_local, width, group)
+    want = x[rank * rows - width:rank * rows] if rank else x[:0]
+    assert torch.equal(halo, want)
+    (halo * 2.0).sum().backward()
+    grad = torch.zeros(rows, 2, dtype=torch.float64)
+    if rank + 1 < world:
+        grad[rows - width:] = 2.0
+    assert torch.equal(x_local.grad, grad), (rank, x_local.grad)
+    x_local.grad = None
+    full = unshard(x_local, group)
+    assert torch.equal(full, x)
+    (full * torch.arange(world * rows, dtype=torch.float64)[:, None]).sum().backward()
+    want_grad = float(world) * torch.arange(rank * rows, (rank + 1) * rows, dtype=torch.float64)[:, None]
+    assert torch.equal(x_local.grad, want_grad.expand(rows, 2))
+
+
+def _check_parity(group, world, rank, dtype, cases, tol):
+    cu, max_len = _pack()
+    for ratio, phase in cases:
+        layer = _layer(ratio, dtype)
+        torch.manual_seed(100 + ratio)
+        x = torch.randn(TOTAL_ROWS, 128, dtype=dtype)
+        g = torch.randn(TOTAL_ROWS, 128, dtype=dtype)
+        y, dx, grads, loss = _run(layer, x, g, phase, cu_seqlens=cu, max_seqlen=max_len)
+        y_l, dx_l, grads_l, loss_l = _run(layer, shard(x, group), shard(g, group), phase, cu_seqlens=cu,
+                                          max_seqlen=max_len, cp_group=group)
+        where = f"ratio {ratio} {phase} {dtype} rank {rank}/{world}"
+        torch.testing.assert_close(y_l, shard(y, group), **tol, msg=lambda m: f"{where} output: {m}")
+        torch.testing.assert_close(dx_l, shard(dx, group), **tol, msg=lambda m: f"{where} input grad: {m}")
+        for name, grad in grads_l.items():
+            dist.all_reduce(grad, group=group)
+            torch.testing.assert_close(grad, grads[name], **tol, msg=lambda m: f"{where} grad {name}: {m}")
+        if loss is not None:
+            dist.all_reduce(loss_l, group=group)
+            torch.testing.assert_close(loss_l, loss, **tol, msg=lambda m: f"{where} indexer loss: {m}")
+            if phase != "dense":
+                assert float(loss) > 0, where
+
+
+def _check_too_few_rows(group, world):
+    layer = _layer(128, torch.float64)
+    x = torch.randn(64 * world, 128, dtype=torch.float64)
+    try:
+        layer(shard(x, group), cu_seqlens=torch.tensor([0, 64 * world], dtype=torch.int32), max_seqlen=64 * world,
+              cp_group=group)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def _worker(rank, world, init_file, result_dir):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        group = dist.group.WORLD
+        torch.set_num_threads(1)
+        _check_primitives(group, world, rank)
+        cases = [(r, p) for r in (0, 4, 128) for p in ("dense", "warmup", "sparse") if r == 4 or p == "sparse"]
+        _check_parity(group, world, rank, torch.float64, cases, dict(rtol=1e-9, atol=1e-11))
+        _check_parity(group, world, rank, torch.float32, [(4, "warmup"), (128, "sparse")],
+                      dict(rtol=1e-4, atol=2e-5))
+        message = _check_too_few_rows(group, world)
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            f.write("ok\n" + message)
+        dist.destroy_process_group()
+    except Exception:
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            f.write("error\n" + traceback.format_exc())
+        raise
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "cp4"])
+def test_context_parallel_equals_single_process(world):
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        try:
+            mp.spawn(_worker, args=(world, init_file, tmp), nprocs=world, join=True)
+        finally:
+            reports = {}
+            for rank in range(world):
+                path = os.path.join(tmp, f"rank{rank}.txt")
+                reports[rank] = open(path).read() if os.path.exists(path) else "no report"
+        for rank, text in reports.items():
+            assert text.startswith("ok"), f"rank {rank}:\n{text}"
+        messages = {text.split("\n", 1)[1] for text in reports.values()}
+        assert len(messages) == 1, messages
+        message = messages.pop()
+        assert "too few rows per context-parallel rank" in message and "128" in message
