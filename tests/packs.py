@@ -61,7 +61,7 @@ def wrap_chunk_rows(module, monkeypatch, budget: int = 1) -> list:
     original = module.chunk_rows
     seen = []
 
-    def small(total_rows, per_row_elements, budget_=None):
+    def small(total_rows, per_row_elements, budget_=None, **_):
         for chunk in original(total_rows, per_row_elements, budget=budget):
             seen.append(chunk)
             yield chunk

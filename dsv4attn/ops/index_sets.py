@@ -105,8 +105,14 @@ def as_index_set(indices: torch.Tensor | IndexSet) -> IndexSet:
     return indices if isinstance(indices, IndexSet) else Explicit(indices)
 
 
-def chunk_rows(total_rows: int, per_row_elements: int, budget: int = 1 << 23):
-    """Yield (start, end) query chunks whose per-chunk working set stays under ``budget`` elements."""
+CHUNK_BUDGET = {"cpu": 1 << 23, "cuda": 1 << 27}   # elements of one chunk's working set
+
+
+def chunk_rows(total_rows: int, per_row_elements: int, budget: int | None = None, device=None):
+    """Yield (start, end) query chunks whose per-chunk working set stays under ``budget`` elements
+    (default: ``CHUNK_BUDGET`` of the device type: larger on GPUs, where each chunk is one kernel launch)."""
+    if budget is None:
+        budget = CHUNK_BUDGET.get(getattr(device, "type", "cpu"), CHUNK_BUDGET["cpu"])
     step = max(1, budget // max(per_row_elements, 1))
     for start in range(0, total_rows, step):
         yield start, min(start + step, total_rows)

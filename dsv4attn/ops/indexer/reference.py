@@ -29,7 +29,7 @@ def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
     if width == 0:
         return out
     with torch.no_grad():
-        for s, e in chunk_rows(T, candidates.width * (H + Di)):
+        for s, e in chunk_rows(T, candidates.width * (H + Di), device=q.device):
             cand = candidates.rows(s, e)
             valid = cand >= 0
             scores = index_scores(q[s:e], gather_rows(k, cand), weights[s:e], valid)

@@ -52,7 +52,7 @@ class _IndexerKL(torch.autograd.Function):
         cd = torch.promote_types(index_q.dtype, torch.float32)
         kl = torch.zeros(T, dtype=cd, device=index_q.device)
         per_row = candidates.width * (index_q.shape[1] + q.shape[1] + q.shape[2])
-        for s, e in chunk_rows(T, per_row):
+        for s, e in chunk_rows(T, per_row, device=index_q.device):
             kl[s:e] = _chunk(index_q[s:e], index_k, index_weights[s:e], q[s:e], compressed_kv,
                              outside_lse[s:e], candidates.rows(s, e), scale)[0]
         ctx.save_for_backward(index_q, index_k, index_weights, q, compressed_kv, outside_lse)
@@ -66,7 +66,7 @@ class _IndexerKL(torch.autograd.Function):
         d_q = torch.zeros(index_q.shape, dtype=cd, device=index_q.device)
         d_k = torch.zeros(index_k.shape, dtype=cd, device=index_k.device)
         d_w = torch.zeros(index_weights.shape, dtype=cd, device=index_q.device)
-        for s, e in chunk_rows(index_q.shape[0], ctx.per_row):
+        for s, e in chunk_rows(index_q.shape[0], ctx.per_row, device=index_q.device):
             cand = ctx.candidates.rows(s, e)
             _, target, log_q, valid, keys_i = _chunk(index_q[s:e], index_k, index_weights[s:e], q[s:e],
                                                      compressed_kv, outside_lse[s:e], cand, ctx.scale)

@@ -47,7 +47,7 @@ class _SparseAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty(T, H, dtype=cd, device=q.device)
         sink = attn_sink.to(cd)
-        for s, e in chunk_rows(T, index_set.width * (H + D)):
+        for s, e in chunk_rows(T, index_set.width * (H + D), device=q.device):
             keys, _, scores = _chunk_probs(q[s:e], kv, index_set.rows(s, e), sink, scale, cd)
             lse_c = torch.logsumexp(scores, dim=-1)                       # -inf for an empty set
             denom = _denominator(lse_c, sink)
@@ -71,7 +71,7 @@ class _SparseAttention(torch.autograd.Function):
         dsink = torch.zeros(H, dtype=cd, device=q.device)
         if grad_out is None:
             grad_out = torch.zeros_like(q)
-        for s, e in chunk_rows(T, index_set.width * (H + D)):
+        for s, e in chunk_rows(T, index_set.width * (H + D), device=q.device):
             idx = index_set.rows(s, e)
             keys, valid, scores = _chunk_probs(q[s:e], kv, idx, sink, scale, cd)
             denom = _denominator(lse[s:e], sink)
