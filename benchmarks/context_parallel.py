@@ -13,6 +13,7 @@ CP-N vs CP-1 outputs and input gradients.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -40,7 +41,9 @@ def step(layer, x, g, cu, max_len, phase, group=None):
 
 
 def timed(fn, device):
+    gc.collect()   # the previous case's graph must not count in this case's peak
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
@@ -122,7 +125,8 @@ def main():
                 halo, gathered = bytes_moved(cfg, ratio, T // world, world, torch.finfo(dtype).bits // 8)
                 rows_out.append((T, ratio, ms1, float(stats[0]), peak1, float(stats[1]), halo, gathered,
                                  err_y, err_dx))
-            del layer
+            del layer, ys, dxs, yn, dxn, y1, dx1
+            gc.collect()
             if use_cuda:
                 torch.cuda.empty_cache()
 
