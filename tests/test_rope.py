@@ -186,3 +186,14 @@ def test_matches_hugging_face(inverse):
     ours = apply_rope(x, pos, inv, inverse=inverse)
     torch.testing.assert_close(ours, hf, rtol=1e-6, atol=1e-6)
     assert torch.equal(ours[..., :16], hf[..., :16])
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["rope", "inverse"])
+def test_apply_rope_gradcheck_float64(inverse):
+    """float64 gradcheck of the rotation on a small (T, H, D) tensor with ragged in-document positions."""
+    torch.manual_seed(5)
+    x = torch.randn(5, 2, 8, dtype=torch.float64, requires_grad=True)
+    positions = torch.tensor([0, 1, 2, 0, 7])
+    inv_freq = rope_frequencies(4, 160000.0, {"type": "yarn", "factor": 16.0,
+                                              "original_max_position_embeddings": 65536})
+    assert torch.autograd.gradcheck(lambda t: apply_rope(t, positions, inv_freq, inverse=inverse), (x,))
