@@ -45,10 +45,29 @@ class RMSNorm(nn.Module):
         return (self.weight.to(cd) * y).to(x.dtype)
 
 
+class _UnweightedRMSNorm(torch.autograd.Function):
+    """y = x * rsqrt(mean(x^2) + eps), statistics in fp32. Saves only x and the (rows, 1) rstd: plain autograd
+    would also keep an fp32 copy of x (the largest activation of the layer: T x H x head_dim)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
+        cd = torch.promote_types(x.dtype, torch.float32)
+        rstd = torch.rsqrt(x.to(cd).pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd)
+        return x * rstd.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, rstd = ctx.saved_tensors
+        xf, gf = x.to(rstd.dtype), grad.to(rstd.dtype)
+        # d/dx_j of x_i * r with r = (mean(x^2) + eps)^-1/2:  r * g_j - r^3 * x_j * mean(g * x)
+        dx = rstd * gf - rstd.pow(3) * xf * (gf * xf).mean(-1, keepdim=True)
+        return dx.to(x.dtype), None
+
+
 def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-head unweighted RMSNorm of the queries (section 3.2 step 4), statistics in fp32."""
-    cd = torch.promote_types(x.dtype, torch.float32)
-    return x * torch.rsqrt(x.to(cd).pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+    return _UnweightedRMSNorm.apply(x, eps)
 
 
 class GroupedLinear(nn.Module):

@@ -1,0 +1,33 @@
+"""Building blocks of the layers."""
+from __future__ import annotations
+
+import torch
+
+from dsv4attn.layers.common import rms_norm_unweighted
+
+
+def _autograd_version(x, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_unweighted_rms_norm_matches_autograd_and_gradchecks():
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn_like(x)
+    y = rms_norm_unweighted(x, 1e-6)
+    (dx,) = torch.autograd.grad((y * g).sum(), x)
+    x2 = x.detach().clone().requires_grad_(True)
+    y2 = _autograd_version(x2, 1e-6)
+    (dx2,) = torch.autograd.grad((y2 * g).sum(), x2)
+    torch.testing.assert_close(y, y2, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(dx, dx2, rtol=1e-12, atol=1e-13)
+    assert torch.autograd.gradcheck(lambda t: rms_norm_unweighted(t, 1e-3), (x,))
+
+
+def test_unweighted_rms_norm_bf16_statistics_in_fp32():
+    torch.manual_seed(1)
+    x = torch.randn(4, 2, 64) * 30
+    y = rms_norm_unweighted(x.bfloat16(), 1e-6)
+    assert y.dtype == torch.bfloat16
+    want = _autograd_version(x.bfloat16().double(), 1e-6)
+    assert (y.double() - want).abs().max() < 2e-2
