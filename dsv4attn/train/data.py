@@ -5,18 +5,20 @@ data position of a run is one integer (the index of the next batch) and resuming
 
 Two sources, both byte-level (vocabulary 256, the token of a byte is its value):
 
-- :class:`RetrievalTask` (the built-in default, no download). A document states key->value pairs early and asks
-  for them later, beyond the sliding window, so that only compressed attention can answer::
+- :class:`RetrievalTask` (the built-in default, no download). A document states key->value pairs first and asks
+  for them last, with filler in between that is longer than the *reach* of the model's stacked sliding windows
+  (layers x (window - 1) rows), so that only compressed attention can carry the answer::
 
-      A:x B:q ... 0193847561...27   ?Bq ?Ax ...
-      |-- pairs, one per 4-row --|-- filler, >= window --|-- queries --|
+      A:x Q:c ..........................(> reach)........ Q?c A?x
+      |-- pairs, one per 4-row group --|---- filler ----|-- queries --|
 
-  A pair ``K:V `` fills one aligned ratio-4 group (so one CSA entry holds one pair); a query ``?KV `` asks for
-  ``V`` at the row of ``K``: those rows are the *answer rows* (retrieval accuracy = argmax there). Keys of a
-  document are distinct and each is asked once, so no answer is inside the window of its query. A share of the
-  documents are 1-3 filler bytes (shorter than the CSA ratio); the longest are longer than 128 (HCA entries).
-- :class:`TextData` (``--data PATH``): random slices of UTF-8 files (a file or a folder of them); the first 90 % of
-  each file feeds training, the last 10 % held-out evaluation. No answer rows.
+  A pair ``K:V `` fills one aligned ratio-4 group (the own-group half of one CSA entry); a query ``K?V `` asks for
+  ``V`` at the row of ``?``: those are the *answer rows* (retrieval accuracy = argmax there; chance is 1/26).
+  Keys of a document are distinct and each is asked once. A document holds 1 to ``max_pairs`` pairs, each count
+  half as likely as the one before. A share of the documents are 1-3 filler bytes (shorter than the CSA ratio)
+  and a share carry 128 extra filler rows (longer than an HCA group).
+- :class:`TextData` (``--data PATH``): random slices of UTF-8 files (a file or a folder of them, read into memory);
+  the first 90 % of each file feeds training, the last 10 % held-out evaluation. No answer rows.
 
 Packing (:func:`pack_documents`): documents back to back, never split across batches or into each other; the
 rows left at the end are capacity padding. Targets are next-token ids inside a document and ``IGNORE`` on the last
@@ -31,13 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-VOCAB_SIZE = 256
 IGNORE = -100                       # target of rows that predict nothing (cross_entropy's ignore_index)
 TRAIN, EVAL = 0, 1                  # split ids mixed into the seed of every batch
 KEYS = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", dtype=np.uint8)
 VALUES = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
-FILLER = np.frombuffer(b"0123456789", dtype=np.uint8)
-COLON, SPACE, QUESTION, NEWLINE = ord(":"), ord(" "), ord("?"), ord("\n")
+FILL, COLON, SPACE, QUESTION = ord("."), ord(":"), ord(" "), ord("?")
 
 
 @dataclass
@@ -110,7 +110,7 @@ def _fill(rng: np.random.Generator, capacity: int, draw) -> Batch:
         answers.append(ans)
         used += len(doc)
     if not docs:
-        doc = rng.choice(FILLER, size=min(capacity, 3))
+        doc = np.full(min(capacity, 3), FILL, dtype=np.uint8)
         docs, answers = [doc], [np.zeros(len(doc), dtype=bool)]
     return pack_documents(docs, answers, capacity)
 
@@ -119,46 +119,46 @@ class RetrievalTask:
     """Synthetic key->value retrieval documents (see the module docstring).
 
     Args:
-        window: the model's sliding window; the filler between the last pair and the first query is at least
-            this long, so no query sees the pair it asks for through the window.
-        max_pairs: pairs per document, drawn uniformly in [1, max_pairs] (<= 26 distinct keys).
+        reach: rows a stack of sliding windows can carry information across: ``n_layers * (window - 1)``. The
+            filler between the last statement and the first query is longer, so no chain of window attentions
+            can answer a query: only compressed entries can (a window-only model stays at chance).
+        max_pairs: pairs per document, 1 to ``max_pairs``, each count half as likely as the one before.
         short_doc_prob: share of documents that are 1-3 filler bytes (shorter than the CSA ratio).
-        long_doc_prob: share of retrieval documents whose filler is 6-10 windows long (longer than an HCA group
-            for the tiny model); the others have 1-3 windows of filler.
+        long_doc_prob: share of retrieval documents with an extra 128 rows of filler (longer than an HCA group).
     """
 
-    def __init__(self, window: int, max_pairs: int = 8, short_doc_prob: float = 0.1, long_doc_prob: float = 0.15):
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
+    def __init__(self, reach: int, max_pairs: int = 3, short_doc_prob: float = 0.1, long_doc_prob: float = 0.1):
+        if isinstance(reach, bool) or not isinstance(reach, int) or reach < 1:
+            raise ValueError(f"reach must be an int >= 1, got {reach!r}")
         if not 1 <= max_pairs <= len(KEYS):
             raise ValueError(f"max_pairs must be in [1, {len(KEYS)}], got {max_pairs!r}")
         for name, p in (("short_doc_prob", short_doc_prob), ("long_doc_prob", long_doc_prob)):
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {p!r}")
-        self.window, self.max_pairs = window, max_pairs
+        self.reach, self.max_pairs = reach, max_pairs
         self.short_doc_prob, self.long_doc_prob = short_doc_prob, long_doc_prob
+        weights = 0.5 ** np.arange(max_pairs)
+        self._pair_probs = weights / weights.sum()
 
     def describe(self) -> dict:
-        return {"source": "retrieval", "window": self.window, "max_pairs": self.max_pairs,
+        return {"source": "retrieval", "reach": self.reach, "max_pairs": self.max_pairs,
                 "short_doc_prob": self.short_doc_prob, "long_doc_prob": self.long_doc_prob}
 
     def document(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """One document and the mask of its answer rows."""
         if rng.random() < self.short_doc_prob:
-            doc = rng.choice(FILLER, size=int(rng.integers(1, 4)))
+            doc = np.full(int(rng.integers(1, 4)), FILL, dtype=np.uint8)
             return doc, np.zeros(len(doc), dtype=bool)
-        n = int(rng.integers(1, self.max_pairs + 1))
+        n = 1 + int(rng.choice(self.max_pairs, p=self._pair_probs))
         keys = rng.choice(KEYS, size=n, replace=False)
         values = rng.choice(VALUES, size=n)
-        w = self.window
-        gap = int(rng.integers(6 * w, 10 * w + 1) if rng.random() < self.long_doc_prob else rng.integers(w, 3 * w + 1))
+        gap = self.reach + int(rng.integers(1, 33)) + (128 if rng.random() < self.long_doc_prob else 0)
         order = rng.permutation(n)
-        pairs = np.stack([keys, np.full(n, COLON), values, np.full(n, SPACE)], axis=1).reshape(-1)
-        queries = np.stack([keys[order], values[order]], axis=1).reshape(-1)
-        doc = np.concatenate([pairs, rng.choice(FILLER, size=gap), [QUESTION], queries, [NEWLINE]]).astype(np.uint8)
+        statements = np.stack([keys, np.full(n, COLON), values, np.full(n, SPACE)], axis=1)
+        queries = np.stack([keys[order], np.full(n, QUESTION), values[order], np.full(n, SPACE)], axis=1)
+        doc = np.concatenate([statements.reshape(-1), np.full(gap, FILL), queries.reshape(-1)]).astype(np.uint8)
         answers = np.zeros(len(doc), dtype=bool)
-        first_key = 4 * n + gap + 1
-        answers[first_key:first_key + 2 * n:2] = True   # the key row of each query predicts its value
+        answers[4 * n + gap + 1::4] = True              # the "?" row of each query predicts its value
         return doc, answers
 
     def batch(self, seed: int, split: int, index: int, capacity: int) -> Batch:
@@ -225,6 +225,7 @@ def _text_files(path: Path) -> list[Path]:
     return files
 
 
-def make_source(data: str | None, window: int):
-    """The data source of a run: the retrieval task when ``data`` is None, else :class:`TextData`."""
-    return RetrievalTask(window) if data is None else TextData(data)
+def make_source(data: str | None, n_layers: int, window: int):
+    """The data source of a run: the retrieval task (sized to the model's window reach) when ``data`` is None,
+    else :class:`TextData`."""
+    return RetrievalTask(reach=n_layers * (window - 1)) if data is None else TextData(data)

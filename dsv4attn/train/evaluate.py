@@ -1,0 +1,123 @@
+"""Held-out evaluation: LM loss, retrieval accuracy, indexer loss and indexer recall@k.
+
+The indexer metrics come from a probe of each ratio-4 layer on its captured input (the model runs in eval mode
+under ``no_grad``, where the layers compute no indexer loss). The probe recomputes the layer's single-device
+queries, compressed entries and indexer outputs from its own modules, then measures:
+
+- **recall@k**: for every query row with more than k visible compressed entries (where selection matters), the
+  share of the teacher's top-k that the indexer's top-k also holds. The teacher ranks entries by the main
+  attention's head-summed probability over *all* visible entries with the full denominator (window + sink +
+  compressed; spec decision 7), ties to the lower index like the indexer (decision 6).
+- **indexer loss**: ``coeff * sum_t KL_t / real rows`` exactly as the layer defines it, with the dense teacher in
+  the dense and warm-up phases and the sparse one (the indexer's own top-k) in the sparse phase. (In the dense
+  phase the layer itself reports 0 because its indexer is idle; the probe still shows how far it is.)
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from ..layers import HybridAttention
+from ..layers.common import rms_norm_unweighted
+from ..ops import indexer_kl, indexer_topk, sparse_attention
+from ..ops.index_sets import Explicit, VisibleCompressed, Window, chunk_rows
+from ..packing import pack_batch
+from ..rope import apply_rope, layer_rope_frequencies
+from .data import Batch
+from .model import DecoderLM, lm_loss
+
+
+@torch.no_grad()
+def probe_indexer(layer: HybridAttention, x: torch.Tensor, pack, phase: str) -> dict:
+    """Indexer metrics of one ratio-4 ``layer`` on its input ``x`` (T, hidden) of the packed batch ``pack``.
+
+    Returns sums (so batches and layers add up): ``kl`` (coeff * sum_t KL_t), ``hits`` and ``wanted`` (recall
+    numerator and denominator over rows with more than k visible entries).
+    """
+    c, T = layer.config, x.shape[0]
+    H, D, k = c.num_attention_heads, c.head_dim, c.index_topk
+    inv_freq = layer_rope_frequencies(c, 4).to(x.device)
+    pos = pack.row_position
+    qr = layer.q_a_norm(layer.q_a_proj(x))
+    q = apply_rope(rms_norm_unweighted(layer.q_b_proj(qr).view(T, H, D), c.rms_norm_eps), pos, inv_freq)
+    kv = apply_rope(layer.kv_norm(layer.kv_proj(x)), pos, inv_freq)
+    layout = pack.compressed(4)
+    compressed = layer.compressor(x, layout, inv_freq).to(q.dtype)
+    sinks = layer.sinks
+    _, window_lse = sparse_attention(q, kv, Window(pack, c.sliding_window), sinks, c.softmax_scale)
+    outside_lse = torch.logaddexp(window_lse, sinks.to(window_lse.dtype))           # (T, H) window + sink mass
+
+    index_q, index_k, index_w = layer.indexer(x, qr, pos, x, layout, inv_freq)
+    student = indexer_topk(index_q, index_k, index_w, layout, k)                     # (T, k') best first
+    visible = VisibleCompressed(layout, T)
+    teacher = _teacher_topk(q, compressed, outside_lse, visible, student.shape[1], c.softmax_scale)
+
+    candidates = Explicit(student) if phase == "sparse" else visible
+    kl = indexer_kl(index_q, index_k, index_w, q, compressed, candidates, outside_lse, c.softmax_scale)
+
+    hard = layout.row_visible > k                                                    # rows where selection matters
+    t_valid = (teacher >= 0) & hard[:, None]
+    same = (teacher[:, :, None] == student[:, None, :]) & (student[:, None, :] >= 0)
+    hits = (same.any(-1) & t_valid).sum()
+    return {"kl": float(c.indexer_loss_coeff * kl.sum()), "hits": int(hits), "wanted": int(t_valid.sum())}
+
+
+def _teacher_topk(q, compressed, outside_lse, visible, width, scale):
+    """(T, width) int32 visible entries with the largest head-summed attention probability, -1 padded."""
+    T = q.shape[0]
+    out = torch.full((T, width), -1, dtype=torch.int32, device=q.device)
+    if width == 0:
+        return out
+    cd = torch.promote_types(q.dtype, torch.float32)
+    for s, e in chunk_rows(T, visible.width * q.shape[1]):
+        cand = visible.rows(s, e)
+        valid = cand >= 0
+        logits = torch.einsum("chd,ckd->chk", q[s:e].to(cd), compressed[cand.clamp(min=0)].to(cd)) * scale
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        denom = torch.logaddexp(outside_lse[s:e].to(cd), torch.logsumexp(logits, dim=-1))   # full denominator
+        mass = torch.exp(logits - denom[..., None]).sum(dim=1).masked_fill(~valid, float("-inf"))
+        order = torch.sort(mass, dim=-1, descending=True, stable=True).indices[:, :width]
+        chosen = torch.where(valid.gather(1, order), cand.gather(1, order), torch.full_like(order, -1))
+        out[s:e] = chosen.to(torch.int32)
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: DecoderLM, batches: list[Batch], phase: str, device: torch.device, autocast=None) -> dict:
+    """Metrics of ``model`` on held-out ``batches`` in ``phase``; None where a metric does not apply (no answer
+    rows in the data, no ratio-4 layer, or no row with more than k visible entries)."""
+    was_training = model.training
+    model.eval()
+    loss_sum = targets = correct = answers = rows = 0.0
+    probe = {"kl": 0.0, "hits": 0, "wanted": 0}
+    has_indexer = any(l.indexer is not None for l in model.attention_layers())
+    try:
+        for batch in batches:
+            b = batch.to(device)
+            captured = [] if has_indexer else None
+            with autocast or nullcontext():
+                logits = model(b.tokens, b.cu_seqlens, b.max_seqlen, phase, captured=captured)
+                loss_sum += float(lm_loss(logits, b.targets, b.num_targets)) * b.num_targets
+                targets += b.num_targets
+                if b.num_answers:
+                    pred = logits.argmax(-1)
+                    correct += int((pred[b.answer_mask] == b.targets[b.answer_mask]).sum())
+                    answers += b.num_answers
+                rows += b.num_tokens
+                if captured:
+                    pack = pack_batch(b.cu_seqlens, b.tokens.shape[0], b.max_seqlen)
+                    for layer, x in captured:
+                        if layer.indexer is not None:
+                            for key, v in probe_indexer(layer, x, pack, phase).items():
+                                probe[key] += v
+    finally:
+        model.train(was_training)
+    return {
+        "lm_loss": loss_sum / max(targets, 1),
+        "retrieval_acc": correct / answers if answers else None,
+        "answers": int(answers),
+        # summed over layers, per real token: the normalisation of the layers' own indexer_loss
+        "indexer_loss": probe["kl"] / rows if has_indexer and rows else None,
+        "indexer_recall": probe["hits"] / probe["wanted"] if probe["wanted"] else None,
+    }

@@ -1,0 +1,260 @@
+"""The training loop: setup (devices, data parallelism, resume), steps through the curriculum, evaluation,
+checkpoints, and the end-of-run plot and summary.
+
+Contract of :func:`train`: everything that can be checked (options, data path, resume compatibility, output
+directory) is checked *before* anything is written; a run is a pure function of its :class:`TrainConfig` (the data
+batch of step s on rank r is batch ``s * world + r`` of the seeded stream, the LR and the phase are functions of
+s), so ``--resume`` reproduces a straight run bit for bit on the same device and world size.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from .. import checks
+from . import checkpoint as ckpt_io
+from .config import TrainConfig, resume_mismatches
+from .data import EVAL, TRAIN, make_source
+from .evaluate import evaluate
+from .model import DecoderLM, lm_loss, model_config
+from .report import plot_curves, summary_text
+
+RUN_FILES = ("metrics.jsonl", "curves.png", "summary.txt", "summary.json", "config.json", "checkpoints")
+
+
+class Run:
+    """Where a run writes (rank 0 only) and what it appends to its JSONL log."""
+
+    def __init__(self, out: Path, is_main: bool):
+        self.out, self.is_main = out, is_main
+        self._log = None
+
+    def open(self) -> None:
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.out / "metrics.jsonl", "a", encoding="utf-8")
+
+    def log(self, record: dict) -> None:
+        if self._log is not None:
+            self._log.write(json.dumps(record) + "\n")
+            self._log.flush()
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+
+
+def _distributed() -> tuple[int, int, int]:
+    """(world_size, rank, local_rank) from torchrun's environment; (1, 0, 0) for a plain process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world, int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (use --device cpu or auto)")
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _check_out_dir(cfg: TrainConfig, out: Path, resume_run_dir: Path | None) -> None:
+    """A fresh run refuses a --out that already holds a run unless --overwrite; resuming may append to its own."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    existing = [name for name in RUN_FILES if (out / name).exists()]
+    if not existing:
+        return
+    if resume_run_dir is not None and out.resolve() == resume_run_dir.resolve():
+        return
+    if not cfg.overwrite:
+        raise ValueError(f"--out {out} already holds a run ({', '.join(existing)}); pass --resume {out} to continue "
+                         f"it, --overwrite to replace it, or another --out")
+
+
+def _resume_point(cfg: TrainConfig, world: int) -> tuple[Path | None, dict | None]:
+    """(checkpoint dir, its metadata) named by --resume, after checking it can continue this run; (None, None)."""
+    if not cfg.resume:
+        return None, None
+    ckpt = ckpt_io.find_checkpoint(cfg.resume)
+    meta = ckpt_io.read_meta(ckpt)
+    diffs = resume_mismatches(meta["run_config"], cfg)
+    if meta.get("world_size", 1) != world:
+        diffs.append(f"world size: checkpoint {meta.get('world_size', 1)}, now {world}")
+    if diffs:
+        raise ValueError(f"--resume {cfg.resume}: the run options differ from the checkpoint's, so it cannot "
+                         f"continue that run (nothing was written):\n  " + "\n  ".join(diffs))
+    return ckpt, meta
+
+
+def _train_step(step_model, model: DecoderLM, optimizer, batch, phase: str, cfg: TrainConfig, autocast):
+    """One optimizer step; returns (LM loss, summed indexer loss or None) as floats."""
+    with autocast or nullcontext():
+        logits = step_model(batch.tokens, batch.cu_seqlens, batch.max_seqlen, phase)
+        loss = lm_loss(logits, batch.targets, batch.num_targets)
+    loss.backward()                              # the indexer loss rides along inside the layers (decision 7)
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    # The dense phase's indexer loss is a zero placeholder (indexer idle): log it as absent.
+    idx_loss = model.indexer_loss() if phase != "dense" else None
+    return float(loss.detach()), None if idx_loss is None else float(idx_loss)
+
+
+def _optimizer(model: DecoderLM, cfg: TrainConfig) -> torch.optim.AdamW:
+    # Decay matrices only, and never the indexer: its dense-phase steps must leave it exactly unchanged.
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and ".indexer." not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) training as ``cfg`` says; returns the final summary dict (rank 0; others get {})."""
+    cfg.validate()
+    world, rank, local_rank = _distributed()
+    device = _pick_device(cfg, local_rank)
+    mcfg = model_config(cfg.model, cfg.ratios, cfg.indexer_loss_coeff)
+    source = make_source(cfg.data, n_layers=mcfg.num_layers, window=mcfg.attention.sliding_window)
+
+    ckpt, meta = _resume_point(cfg, world)
+    out = Path(cfg.out)
+    _check_out_dir(cfg, out, ckpt.parent.parent if ckpt is not None else None)
+
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    is_main = rank == 0
+    if is_main and cfg.overwrite and not cfg.resume:
+        for name in RUN_FILES:
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+
+    torch.manual_seed(cfg.seed)
+    model = DecoderLM(mcfg).to(device)
+    optimizer = _optimizer(model, cfg)
+    start = 0
+    if ckpt is not None:
+        ckpt_io.load_weights(ckpt, model, optimizer)
+        ckpt_io.set_rng_state(meta["rng"])
+        start = meta["step"]
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else None
+    step_model = ddp if ddp is not None else model
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
+    eval_batches = [source.batch(cfg.seed, EVAL, i, cfg.capacity) for i in range(cfg.eval_batches)] if is_main else []
+
+    run = Run(out, is_main)
+    run.open()
+    if is_main:
+        ckpt_io.atomic_write_text(out / "config.json", json.dumps(
+            {"run_config": cfg.to_dict(), "model_config": mcfg.to_dict(), "data": source.describe(),
+             "world_size": world, "device": str(device)}, indent=1))
+        run.log({"kind": "start", "step": start, "device": str(device), "world_size": world,
+                 "resumed_from": str(ckpt) if ckpt else None, "params": sum(p.numel() for p in model.parameters())})
+
+    stats = {"train_time_s": 0.0, "tokens": 0, "start_step": start, "wall_start": time.perf_counter()}
+    last_eval = None
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5,
+               disable=not is_main)
+    # Batches are valid by construction and value checks cost a device->host sync per layer: off on CUDA.
+    value_checks = checks.checks(False) if device.type == "cuda" else nullcontext()
+    tok_rate = None
+    try:
+        with value_checks:
+            prev_phase = cfg.phase_of(start - 1) if start else None
+            end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
+            for step in range(start, end):
+                phase = cfg.phase_of(step)
+                if phase != prev_phase:
+                    bar.write(f"step {step}: phase {prev_phase or 'start'} -> {phase}")
+                    run.log({"kind": "phase", "step": step, "phase": phase})
+                    prev_phase = phase
+                t0 = time.perf_counter()
+                lr = cfg.lr_at(step)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                batch = source.batch(cfg.seed, TRAIN, step * world + rank, cfg.capacity).to(device)
+                loss_value, idx_loss = _train_step(step_model, model, optimizer, batch, phase, cfg, autocast)
+                dt = time.perf_counter() - t0
+                tokens = batch.num_tokens * world
+                stats["train_time_s"] += dt
+                stats["tokens"] += tokens
+                tok_rate = tokens / dt if tok_rate is None else 0.9 * tok_rate + 0.1 * tokens / dt
+                record = {"kind": "train", "step": step + 1, "phase": phase, "loss": loss_value,
+                          "indexer_loss": idx_loss, "lr": lr,
+                          "tokens": tokens, "tokens_per_s": tokens / dt}
+                run.log(record)
+                bar.set_postfix(loss=f"{loss_value:.3f}", phase=phase, tok_s=f"{tok_rate:.0f}", refresh=False)
+                bar.update(1)
+                done = step + 1
+                if is_main and (done % cfg.eval_every == 0 or done == end):
+                    last_eval = evaluate(model, eval_batches, phase, device, autocast)
+                    run.log({"kind": "eval", "step": done, "phase": phase, **last_eval})
+                    bar.write(_eval_line(done, phase, last_eval))
+                if is_main and ((cfg.save_every and done % cfg.save_every == 0) or done == end):
+                    _save(out, model, optimizer, cfg, mcfg, source, done, world, stats)
+        bar.close()
+        end = max(start, end)
+        summary = {}
+        if is_main:
+            if last_eval is None:    # resumed at or past the last step: still report where the model stands
+                last_eval = evaluate(model, eval_batches, cfg.phase_of(end - 1), device, autocast)
+                run.log({"kind": "eval", "step": end, "phase": cfg.phase_of(end - 1), **last_eval})
+            summary = _finish(out, cfg, mcfg, device, world, stats, last_eval, model, end)
+        return summary
+    finally:
+        bar.close()
+        run.close()
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _eval_line(step: int, phase: str, m: dict) -> str:
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+    return (f"eval @ {step} ({phase}): lm_loss {m['lm_loss']:.4f}  retrieval_acc {fmt(m['retrieval_acc'], '.3f')}  "
+            f"indexer_loss {fmt(m['indexer_loss'], '.5f')}  recall@k {fmt(m['indexer_recall'], '.3f')}")
+
+
+def _save(out: Path, model, optimizer, cfg: TrainConfig, mcfg, source, done: int, world: int, stats: dict) -> None:
+    meta = {"step": done, "phase": cfg.phase_of(done - 1),
+            "next_phase": cfg.phase_of(done) if done < cfg.steps else None,
+            "data": {**source.describe(), "next_batch": done * world},
+            "run_config": cfg.to_dict(), "model_config": mcfg.to_dict(), "world_size": world,
+            "rng": ckpt_io.rng_state(), "tokens_seen_this_session": stats["tokens"],
+            "torch_version": torch.__version__}
+    ckpt_io.save_checkpoint(out, model, optimizer, meta, cfg.keep)
+
+
+def _finish(out: Path, cfg, mcfg, device, world, stats, last_eval, model, done: int) -> dict:
+    wall = time.perf_counter() - stats["wall_start"]
+    summary = {
+        "out": str(out), "steps": cfg.steps, "done": done, "steps_this_session": done - stats["start_step"],
+        "ratios": list(cfg.ratios), "device": str(device), "world_size": world,
+        "params": sum(p.numel() for p in model.parameters()),
+        "wall_time_s": wall, "train_time_s": stats["train_time_s"], "tokens": stats["tokens"],
+        "tokens_per_s": stats["tokens"] / stats["train_time_s"] if stats["train_time_s"] else None,
+        "final_eval": last_eval, "schedule": {"dense": cfg.dense_steps, "warmup": cfg.warmup_steps,
+                                              "sparse": cfg.steps - cfg.dense_steps - cfg.warmup_steps},
+    }
+    if cfg.plot:
+        summary["plot"] = str(plot_curves(out / "metrics.jsonl", out / "curves.png", cfg,
+                                          mcfg.attention.index_topk))
+    text = summary_text(summary)
+    ckpt_io.atomic_write_text(out / "summary.txt", text)
+    ckpt_io.atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+    print(text, flush=True)
+    return summary
