@@ -2,10 +2,12 @@
 
 Run under torchrun (NCCL on GPUs, gloo on CPUs):
 
-    torchrun --nproc-per-node 2 benchmarks/context_parallel.py --config flash --rows 65536 131072
+    torchrun --nproc-per-node 2 benchmarks/context_parallel.py --config flash --rows 65536 131072 \
+        --partitions contiguous head_tail
 
 For each layer kind (CSA in the sparse phase, HCA) and each T: rank 0 first runs the whole batch alone (CP-1,
-the other ranks wait), then all ranks run it split (CP-N); both forward + backward, after one warm-up step.
+the other ranks wait), then all ranks run it split (CP-N) under each partition; forward + backward, after one
+warm-up step.
 Prints one table: ms, peak memory (max over ranks), their CP-N / CP-1 ratios, bytes moved by the boundary
 exchange and the all-gathers (forward; the backward moves the same again), and the max relative difference of
 CP-N vs CP-1 outputs and input gradients.
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import dsv4attn
-from dsv4attn.parallel import owned_capacity, shard
+from dsv4attn.parallel import PARTITIONS, owned_capacity, shard, unshard
 
 
 def make_layer(cfg, ratio, device, dtype):
@@ -32,10 +34,10 @@ def make_layer(cfg, ratio, device, dtype):
     return layer
 
 
-def step(layer, x, g, cu, max_len, phase, group=None):
+def step(layer, x, g, cu, max_len, phase, group=None, partition="contiguous"):
     x = x.detach().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
-    y = layer(x, cu_seqlens=cu, max_seqlen=max_len, phase=phase, cp_group=group)
+    y = layer(x, cu_seqlens=cu, max_seqlen=max_len, phase=phase, cp_group=group, cp_partition=partition)
     (y * g).sum().backward()
     return y.detach(), x.grad
 
@@ -55,12 +57,14 @@ def timed(fn, device):
     return out, ms, peak
 
 
-def bytes_moved(cfg, ratio, rows_per_rank, world, element_bytes):
-    """Forward bytes each rank receives: halo hidden states + gathered compressed KV (+ indexer K)."""
-    halo = max(cfg.sliding_window, {0: 0, 4: 8, 128: 128}[ratio]) * cfg.hidden_size * element_bytes
+def bytes_moved(cfg, ratio, rows_per_rank, world, element_bytes, partition):
+    """Forward bytes a rank receives (the most of any rank): halo hidden states, one per chunk it holds, plus the
+    gathered compressed KV (+ indexer K) of the other ranks' chunks."""
+    chunks = 1 if partition == "contiguous" else 2
+    halo = chunks * max(cfg.sliding_window, {0: 0, 4: 8, 128: 128}[ratio]) * cfg.hidden_size * element_bytes
     gathered = 0
     if ratio:
-        cap = owned_capacity(rows_per_rank, ratio)
+        cap = chunks * owned_capacity(rows_per_rank // chunks, ratio)
         width = cfg.head_dim + (cfg.index_head_dim if ratio == 4 else 0)
         gathered = (world - 1) * cap * width * element_bytes
     return halo, gathered
@@ -78,6 +82,7 @@ def main():
     ap.add_argument("--phase", default="sparse")
     ap.add_argument("--doc-len", type=int, default=0, help="0: one document spanning the batch")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp64"])
+    ap.add_argument("--partitions", nargs="+", default=["contiguous"], choices=PARTITIONS)
     ap.add_argument("--cp1-max-rows", type=int, default=1 << 62,
                     help="skip the CP-1 run above this T (when it does not fit on one device)")
     args = ap.parse_args()
@@ -108,24 +113,25 @@ def main():
             if rank == 0 and T <= args.cp1_max_rows:
                 step(layer, x, g, cu, doc, args.phase)
                 (y1, dx1), ms1, peak1 = timed(lambda: step(layer, x, g, cu, doc, args.phase), device)
-                y1, dx1 = shard_all(y1, world), shard_all(dx1, world)
             dist.barrier()
-            step(layer, shard(x, group), shard(g, group), cu, doc, args.phase, group)
-            (yn, dxn), msn, peakn = timed(lambda: step(layer, shard(x, group), shard(g, group), cu, doc, args.phase,
-                                                        group), device)
-            stats = torch.tensor([msn, peakn], dtype=torch.float64, device=device)
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-            ys = [torch.empty_like(yn) for _ in range(world)]
-            dxs = [torch.empty_like(dxn) for _ in range(world)]
-            dist.all_gather(ys, yn.contiguous())
-            dist.all_gather(dxs, dxn.contiguous())
-            if rank == 0:
-                err_y = max(rel(a, b) for a, b in zip(ys, y1)) if y1 is not None else float("nan")
-                err_dx = max(rel(a, b) for a, b in zip(dxs, dx1)) if dx1 is not None else float("nan")
-                halo, gathered = bytes_moved(cfg, ratio, T // world, world, torch.finfo(dtype).bits // 8)
-                rows_out.append((T, ratio, ms1, float(stats[0]), peak1, float(stats[1]), halo, gathered,
-                                 err_y, err_dx))
-            del layer, ys, dxs, yn, dxn, y1, dx1
+            for part in args.partitions:
+                def run_cp():
+                    return step(layer, shard(x, group, part), shard(g, group, part), cu, doc, args.phase, group,
+                                part)
+                run_cp()
+                (yn, dxn), msn, peakn = timed(run_cp, device)
+                stats = torch.tensor([msn, peakn], dtype=torch.float64, device=device)
+                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+                with torch.no_grad():
+                    yn, dxn = unshard(yn, group, part), unshard(dxn, group, part)
+                if rank == 0:
+                    err_y = rel(yn, y1) if y1 is not None else float("nan")
+                    err_dx = rel(dxn, dx1) if dx1 is not None else float("nan")
+                    halo, gathered = bytes_moved(cfg, ratio, T // world, world, torch.finfo(dtype).bits // 8, part)
+                    rows_out.append((T, ratio, part, ms1, float(stats[0]), peak1, float(stats[1]), halo, gathered,
+                                     err_y, err_dx))
+                del yn, dxn
+            del layer, y1, dx1
             gc.collect()
             if use_cuda:
                 torch.cuda.empty_cache()
@@ -133,18 +139,13 @@ def main():
     if rank == 0:
         print(f"\nCP-{world} vs CP-1, {args.config} geometry, phase {args.phase}, {args.dtype}, "
               f"{torch.cuda.get_device_name(device) if use_cuda else 'CPU'}")
-        print("| T | ratio | CP1 ms | CPN ms | time ratio | CP1 peak GiB | CPN peak GiB/rank | mem ratio "
+        print("| T | ratio | partition | CP1 ms | CPN ms | time ratio | CP1 peak GiB | CPN peak GiB/rank | mem ratio "
               "| halo MiB | all-gather MiB | max rel diff out | max rel diff dx |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for T, r, ms1, msn, p1, pn, halo, gathered, ey, edx in rows_out:
-            print(f"| {T} | {r} | {ms1:.1f} | {msn:.1f} | {msn / ms1:.2f} | {p1:.1f} | {pn:.1f} | {pn / p1:.2f} "
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for T, r, part, ms1, msn, p1, pn, halo, gathered, ey, edx in rows_out:
+            print(f"| {T} | {r} | {part} | {ms1:.1f} | {msn:.1f} | {msn / ms1:.2f} | {p1:.1f} | {pn:.1f} | {pn / p1:.2f} "
                   f"| {halo / 2**20:.2f} | {gathered / 2**20:.2f} | {ey:.2e} | {edx:.2e} |")
     dist.destroy_process_group()
-
-
-def shard_all(t, world):
-    rows = t.shape[0] // world
-    return [t[i * rows:(i + 1) * rows] for i in range(world)]
 
 
 if __name__ == "__main__":

@@ -78,15 +78,17 @@ class HybridAttention(KeepFp32Params):
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 max_seqlen: int | None = None, phase: str = "sparse", cp_group=None,
-                pack: PackedBatch | None = None) -> torch.Tensor:
+                pack: PackedBatch | None = None, cp_partition: str = "contiguous") -> torch.Tensor:
         """Args:
             hidden_states: (T, hidden_size) packed rows (documents back to back, then capacity padding); under
-                context parallelism this rank's contiguous slice (``dsv4attn.parallel.shard``).
+                context parallelism this rank's rows (``dsv4attn.parallel.shard(x, group, cp_partition)``).
             cu_seqlens: (N+1,) int32 document boundaries of the *global* batch; ``None`` = one document.
             max_seqlen: host int >= the longest document (``None`` computes it: one device->host sync).
             phase: ``"dense"`` | ``"warmup"`` | ``"sparse"`` (decision 8; only ratio-4 layers behave differently).
             cp_group: a torch.distributed process group for context parallelism (decision 10), or None.
             pack: a prebuilt :func:`dsv4attn.packing.pack_batch` of the global batch, shared by all layers.
+            cp_partition: which rows each rank holds, ``"contiguous"`` or ``"head_tail"``
+                (:mod:`dsv4attn.parallel.partition`); the same on every rank and in ``shard``/``unshard``.
         Returns (T, hidden_size): this call's rows.
         """
         phase = check_phase(phase)
@@ -99,7 +101,8 @@ class HybridAttention(KeepFp32Params):
                 raise ValueError(f"pack was built for {pack.total_rows} rows, hidden_states has {x.shape[0]}")
             frame, x_keys = single_device_frame(pack), x
         else:
-            frame, x_keys = context_parallel_frame(x, cu_seqlens, max_seqlen, cp_group, self.halo_rows, pack)
+            frame, x_keys = context_parallel_frame(x, cu_seqlens, max_seqlen, cp_group, self.halo_rows, pack,
+                                                   cp_partition)
         return self._forward_frame(x, x_keys, frame, phase)
 
     @property
@@ -110,7 +113,7 @@ class HybridAttention(KeepFp32Params):
     def _forward_frame(self, x, x_keys, frame, phase):
         c, T, H, D = self.config, x.shape[0], self.config.num_attention_heads, self.config.head_dim
         pack, inv_freq = frame.pack, self._rope_table(x.device)
-        pos_q, pos_k = pack.row_position[frame.query_slice()], pack.row_position[frame.key_slice()]
+        pos_q, pos_k = pack.row_position[frame.query_rows()], pack.row_position[frame.key_rows()]
         n_keys = x_keys.shape[0]
 
         qr = self.q_a_norm(self.q_a_proj(x))
@@ -119,14 +122,14 @@ class HybridAttention(KeepFp32Params):
         kv = apply_rope(self.kv_norm(self.kv_proj(x_keys)), pos_k, inv_freq)   # raw keys incl. the halo
 
         # Index sets in key coordinates: raw key rows first, then the gathered compressed rows.
-        window = Rows(Window(pack, c.sliding_window), frame.start, T, shift=-frame.key_start)
+        window = frame.local_keys(Window(pack, c.sliding_window))
         keys, index_set, compressed = kv, window, None
         if self.compress_ratio:
             owned, lowering = frame.owned_entries(self.compress_ratio)
             compressed = frame.gather(self.compressor(x_keys, owned, inv_freq))
             keys = torch.cat([kv, compressed.to(kv.dtype)], dim=0)
-            visible = Rows(VisibleCompressed(pack.compressed(self.compress_ratio), pack.total_rows), frame.start, T,
-                           table=lowering)                                   # compressed-row coordinates
+            visible = frame.local_compressed(VisibleCompressed(pack.compressed(self.compress_ratio),
+                                                               pack.total_rows), lowering)   # compressed rows
             if self.indexer is None or phase == "dense":
                 index_set = Concat(window, Rows(visible, 0, T, shift=n_keys))
 

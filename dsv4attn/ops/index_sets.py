@@ -3,7 +3,7 @@
 An index set answers ``rows(start, end) -> (end - start, width) int64``: for each query row in ``[start, end)``
 the rows of a key tensor it may attend to, ``-1`` for an empty slot. Order inside a row does not matter (one
 softmax over the set); a repeated index counts once per occurrence. Sets combine with :class:`Concat` (disjoint key ranges, e.g.
-raw window rows followed by compressed rows at an offset).
+raw window rows followed by compressed rows at an offset) and :class:`Stack` (consecutive query ranges).
 
 - :class:`Explicit`: a materialised (T, K) tensor (what ``sparse_attention(indices=...)`` takes, FlashMLA style).
 - :class:`Window`: raw rows ``max(doc start, t - window + 1) .. t`` (decision 3: both ends inclusive).
@@ -92,6 +92,26 @@ class Concat(IndexSet):
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         return torch.cat([p.rows(start, end) for p in self.parts], dim=1)
+
+
+class Stack(IndexSet):
+    """Index sets of consecutive query-row ranges stacked on top of each other (e.g. the two segments a
+    context-parallel rank holds under the head-tail partition); widths may differ, narrower parts pad with -1."""
+
+    def __init__(self, *parts: IndexSet):
+        self.parts = parts
+        self.total_rows = sum(p.total_rows for p in parts)
+        self.width = max(p.width for p in parts)
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        pieces, offset = [], 0
+        for part in self.parts:
+            lo, hi = max(start, offset), min(end, offset + part.total_rows)
+            if lo < hi:
+                idx = part.rows(lo - offset, hi - offset)
+                pieces.append(torch.nn.functional.pad(idx, (0, self.width - idx.shape[1]), value=-1))
+            offset += part.total_rows
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
 def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import partition as partition_
+
 
 def world_and_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
@@ -41,47 +43,71 @@ def gather_rows(t: torch.Tensor, group) -> torch.Tensor:
     return _GatherRows.apply(t, group)
 
 
-class _LeftHalo(torch.autograd.Function):
-    """The last ``width`` rows of the previous rank (an empty tensor on rank 0); backward returns the halo's
-    gradient to the rank that owns those rows."""
+class _WithLeftHalos(torch.autograd.Function):
+    """This rank's segments, each preceded by the ``width`` rows left of it (none for chunk 0): the rows whose raw
+    KV the rank computes. The halo rows come from whichever rank holds the previous chunk (one all-gather of every
+    segment's tail); backward sends each halo's gradient back to that rank."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, width: int, group):
+    def forward(ctx, x: torch.Tensor, width: int, group, partition: str):
         world, rank = world_and_rank(group)
-        ctx.group, ctx.width, ctx.shape = group, width, x.shape
-        tails = _all_gather_cat(x[x.shape[0] - width:], group)
-        if rank == 0:
-            return x.new_zeros((0,) + tuple(x.shape[1:]))
-        return tails[(rank - 1) * width:rank * width]
+        chunks = partition_.chunks_of_rank(partition, world, rank)
+        rows = x.shape[0] // len(chunks)
+        ctx.group, ctx.width, ctx.shape, ctx.chunks, ctx.rows = group, width, x.shape, chunks, rows
+        ctx.slots = partition_.chunk_slots(partition, world)
+        tails = _all_gather_cat(torch.cat([x[(i + 1) * rows - width:(i + 1) * rows] for i in range(len(chunks))]),
+                                group)
+        parts = []
+        for i, c in enumerate(chunks):
+            if c > 0:
+                parts.append(tails[ctx.slots[c - 1] * width:(ctx.slots[c - 1] + 1) * width])
+            parts.append(x[i * rows:(i + 1) * rows])
+        return torch.cat(parts)
 
     @staticmethod
-    def backward(ctx, grad_halo: torch.Tensor):
-        world, rank = world_and_rank(ctx.group)
-        width = ctx.width
-        if rank == 0:
-            grad_halo = grad_halo.new_zeros((width,) + tuple(ctx.shape[1:]))
-        grads = _all_gather_cat(grad_halo.contiguous(), ctx.group)       # block i = halo gradient of rank i
-        grad_x = grad_halo.new_zeros(ctx.shape)
-        if rank + 1 < world:
-            grad_x[ctx.shape[0] - width:] = grads[(rank + 1) * width:(rank + 2) * width]
-        return grad_x, None, None
+    def backward(ctx, grad_keys: torch.Tensor):
+        width, rows, slots = ctx.width, ctx.rows, ctx.slots
+        halo_grads, grad_x, at = [], [], 0
+        for c in ctx.chunks:
+            if c > 0:
+                halo_grads.append(grad_keys[at:at + width])
+                at += width
+            else:
+                halo_grads.append(grad_keys.new_zeros((width,) + tuple(ctx.shape[1:])))
+            grad_x.append(grad_keys[at:at + rows].clone())
+            at += rows
+        grads = _all_gather_cat(torch.cat(halo_grads).contiguous(), ctx.group)   # block slot(c): chunk c's halo
+        for i, c in enumerate(ctx.chunks):
+            if c + 1 < len(slots):
+                grad_x[i][rows - width:] += grads[slots[c + 1] * width:(slots[c + 1] + 1) * width]
+        return torch.cat(grad_x), None, None, None
+
+
+def with_left_halos(x: torch.Tensor, width: int, group, partition: str = "contiguous") -> torch.Tensor:
+    """``[halo ; segment]`` for each of this rank's segments, in local order; a halo is the ``width`` global rows
+    left of its segment (empty for the batch's first chunk). Needs ``width <= rows per chunk``."""
+    return _WithLeftHalos.apply(x, width, group, partition_.check_partition(partition))
 
 
 def left_halo(x: torch.Tensor, width: int, group) -> torch.Tensor:
-    """Rows ``[start - width, start)`` of the global batch for this rank's slice ``x`` (empty on rank 0)."""
-    return _LeftHalo.apply(x, width, group)
+    """Rows ``[start - width, start)`` of the global batch for this rank's contiguous slice ``x`` (empty on
+    rank 0)."""
+    return with_left_halos(x, width, group)[:-x.shape[0] or None] if x.shape[0] else x[:0]
 
 
-def shard(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's contiguous equal slice of ``x`` along dim 0 (``x.shape[0]`` must divide evenly)."""
+def shard(x: torch.Tensor, group, partition: str = "contiguous") -> torch.Tensor:
+    """This rank's rows of ``x`` along dim 0: its chunks (see :mod:`.partition`) back to back."""
     world, rank = world_and_rank(group)
-    if x.shape[0] % world:
-        raise ValueError(f"the packed batch has {x.shape[0]} rows, which does not split into {world} equal "
-                         f"context-parallel slices; pad the capacity to a multiple of {world}")
-    rows = x.shape[0] // world
-    return x[rank * rows:(rank + 1) * rows]
+    spans = partition_.segments(partition, world, rank, x.shape[0])
+    return x[spans[0][0]:spans[0][1]] if len(spans) == 1 else torch.cat([x[s:e] for s, e in spans])
 
 
-def unshard(x_local: torch.Tensor, group) -> torch.Tensor:
-    """All-gather the slices back into the global batch (differentiable)."""
-    return gather_rows(x_local, group)
+def unshard(x_local: torch.Tensor, group, partition: str = "contiguous") -> torch.Tensor:
+    """All-gather every rank's rows back into the global batch order (differentiable)."""
+    world, _ = world_and_rank(group)
+    full = gather_rows(x_local, group)
+    slots = partition_.chunk_slots(partition, world)
+    if slots == tuple(range(len(slots))):
+        return full
+    rows = full.shape[0] // len(slots)
+    return torch.cat([full[s * rows:(s + 1) * rows] for s in slots])

@@ -1,9 +1,11 @@
 """Which rows one call of a layer computes: the single-device frame and the context-parallel frame.
 
-A frame names the global query rows ``[start, end)`` this process answers, the rows ``[key_start, end)`` whose
-raw KV it computes (a left halo under CP), and, per compress ratio, the compressed entries it computes (the
-entries whose group ends in its slice: decision 10's ownership) plus how to reach every entry after they are
-gathered. On one device the frame is the whole batch and gathering is the identity.
+A frame lists the *segments* of global query rows this process answers (one on a single device or under the
+contiguous partition, two under head-tail), each with the rows ``[key_start, end)`` whose raw KV it computes (a
+left halo under CP); locally the keys are ``[halo_0 ; segment_0 ; halo_1 ; segment_1]``. Per compress ratio it
+knows the compressed entries this process computes (those whose group ends in one of its segments: decision 10's
+ownership) and how to reach every entry after they are gathered. On one device the frame is the whole batch and
+gathering is the identity.
 """
 from __future__ import annotations
 
@@ -11,31 +13,75 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..ops.index_sets import IndexSet, Rows, Stack
 from ..packing import CompressedLayout, PackedBatch
 from . import comm
+from . import partition as partition_
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int          # first global query row
+    end: int            # one past the last
+    key_start: int      # first global row whose raw KV is computed for it (start - halo)
+    key_offset: int     # local key row of key_start
 
 
 @dataclass
 class RowFrame:
-    pack: PackedBatch           # the global batch
-    start: int                  # first global query row of this call
-    end: int                    # one past the last
-    key_start: int              # first global row whose raw KV this call computes (start - halo)
-    group: object = None        # context-parallel process group, None on one device
+    pack: PackedBatch               # the global batch
+    segments: tuple[Segment, ...]   # in local order
+    group: object = None            # context-parallel process group, None on one device
+    partition: str = "contiguous"
     _owned: dict = field(default_factory=dict, repr=False)
+    _rows: dict = field(default_factory=dict, repr=False)
 
     @property
     def world(self) -> int:
         return 1 if self.group is None else comm.world_and_rank(self.group)[0]
 
-    def query_slice(self) -> slice:
-        return slice(self.start, self.end)
+    @property
+    def num_queries(self) -> int:
+        return sum(s.end - s.start for s in self.segments)
 
-    def key_slice(self) -> slice:
-        return slice(self.key_start, self.end)
+    @property
+    def num_keys(self) -> int:
+        return sum(s.end - s.key_start for s in self.segments)
+
+    def query_rows(self):
+        """Global rows of the local queries: a slice for one segment, else an index tensor."""
+        return self._global_rows("query", [(s.start, s.end) for s in self.segments])
+
+    def key_rows(self):
+        """Global rows of the local raw keys (halos included)."""
+        return self._global_rows("key", [(s.key_start, s.end) for s in self.segments])
+
+    def _global_rows(self, kind, spans):
+        if len(spans) == 1:
+            return slice(*spans[0])
+        if kind not in self._rows:
+            device = self.pack.row_doc.device
+            self._rows[kind] = torch.cat([torch.arange(a, b, device=device) for a, b in spans])
+        return self._rows[kind]
+
+    def local_keys(self, base: IndexSet) -> IndexSet:
+        """``base`` (an index set of global query rows -> global raw rows) for the local queries, addressing
+        the local raw key rows."""
+        return self._stack([Rows(base, s.start, s.end - s.start, shift=s.key_offset - s.key_start)
+                            for s in self.segments])
+
+    def local_compressed(self, base: IndexSet, table: torch.Tensor | None) -> IndexSet:
+        """``base`` (global query rows -> global compressed entries) for the local queries, entries mapped
+        through ``table`` (global entry -> gathered row; None on one device)."""
+        return self._stack([Rows(base, s.start, s.end - s.start, table=table) for s in self.segments])
+
+    @staticmethod
+    def _stack(parts):
+        return parts[0] if len(parts) == 1 else Stack(*parts)
 
     def owned_entries(self, ratio: int) -> tuple[CompressedLayout, torch.Tensor | None]:
-        """(layout of the entries this call computes, in key-row coordinates; global entry -> gathered row)."""
+        """(layout of the entries this call computes, in local key-row coordinates; global entry -> gathered
+        row)."""
         if ratio not in self._owned:
             self._owned[ratio] = (_single_owned(self.pack, ratio) if self.group is None
                                   else _cp_owned(self, ratio))
@@ -46,47 +92,50 @@ class RowFrame:
 
 
 def single_device_frame(pack: PackedBatch) -> RowFrame:
-    return RowFrame(pack=pack, start=0, end=pack.total_rows, key_start=0)
+    return RowFrame(pack=pack, segments=(Segment(0, pack.total_rows, 0, 0),))
 
 
 def _single_owned(pack: PackedBatch, ratio: int):
     return pack.compressed(ratio), None
 
 
-def owned_capacity(rows_per_rank: int, ratio: int) -> int:
-    """Entries whose group ends in a slice of S rows: groups are disjoint and at most one sticks out to the
+def owned_capacity(rows_per_chunk: int, ratio: int) -> int:
+    """Entries whose group ends in a chunk of S rows: groups are disjoint and at most one sticks out to the
     left, so at most S // r + 1."""
-    return rows_per_rank // ratio + 1
+    return rows_per_chunk // ratio + 1
 
 
 def _cp_owned(frame: RowFrame, ratio: int):
     glob = frame.pack.compressed(ratio)
     device = glob.entry_first_row.device
-    S = frame.end - frame.start
-    world = frame.world
+    world, _ = comm.world_and_rank(frame.group)
+    n_chunks = partition_.num_chunks(frame.partition, world)
+    S = frame.segments[0].end - frame.segments[0].start               # rows per chunk
     cap = owned_capacity(S, ratio)
     # Last token row of every entry; padding entries sort after everything (T), so the array is non-decreasing.
     last = torch.where(glob.entry_is_real, glob.entry_first_row + (ratio - 1),
                        torch.full_like(glob.entry_first_row, frame.pack.total_rows))
-    bounds = torch.arange(world + 1, device=device) * S
-    first_of_rank = torch.searchsorted(last, bounds)              # entries owned by rank i: [f[i], f[i+1])
-    rank = frame.start // S
-    ids = first_of_rank[rank] + torch.arange(cap, device=device)
-    valid = ids < first_of_rank[rank + 1]
-    safe = torch.where(valid, ids, torch.zeros_like(ids)).clamp(max=max(glob.capacity - 1, 0))
-    zero = torch.zeros_like(ids)
-    n_keys = frame.end - frame.key_start
-    key_rows = torch.zeros(n_keys, dtype=torch.long, device=device)
-    if glob.capacity == 0:
-        first_row, index, doc = zero, zero, zero
-    else:
-        first_row = torch.where(valid, glob.entry_first_row[safe] - frame.key_start, zero)
-        index = torch.where(valid, glob.entry_index[safe], zero)
-        doc = torch.where(valid, glob.entry_doc[safe], zero)
-    local = CompressedLayout(ratio=ratio, capacity=cap, max_per_doc=glob.max_per_doc,
+    first_of_chunk = torch.searchsorted(last, torch.arange(n_chunks + 1, device=device) * S)
+    parts = []
+    for seg in frame.segments:
+        chunk = seg.start // S
+        ids = first_of_chunk[chunk] + torch.arange(cap, device=device)
+        valid = ids < first_of_chunk[chunk + 1]
+        safe = torch.where(valid, ids, torch.zeros_like(ids)).clamp(max=max(glob.capacity - 1, 0))
+        zero = torch.zeros_like(ids)
+        if glob.capacity == 0:
+            parts.append((zero, zero, zero, valid))
+            continue
+        first_row = glob.entry_first_row[safe] - seg.key_start + seg.key_offset
+        parts.append(tuple(torch.where(valid, t, zero) for t in (first_row, glob.entry_index[safe],
+                                                                 glob.entry_doc[safe])) + (valid,))
+    first_row, index, doc, valid = (torch.cat(ts) for ts in zip(*parts))
+    key_rows = torch.zeros(frame.num_keys, dtype=torch.long, device=device)
+    local = CompressedLayout(ratio=ratio, capacity=cap * len(frame.segments), max_per_doc=glob.max_per_doc,
                              cu_compressed=glob.cu_compressed, entry_doc=doc, entry_index=index,
                              entry_first_row=first_row, entry_is_real=valid, row_first_entry=key_rows,
                              row_visible=key_rows)
-    owner = (last // S).clamp(max=world - 1)
-    lowering = owner * cap + (torch.arange(glob.capacity, device=device) - first_of_rank[owner])
+    owner_chunk = (last // S).clamp(max=n_chunks - 1)
+    slot = torch.tensor(partition_.chunk_slots(frame.partition, world), device=device)[owner_chunk]
+    lowering = slot * cap + (torch.arange(glob.capacity, device=device) - first_of_chunk[owner_chunk])
     return local, lowering

@@ -1,10 +1,10 @@
 """Building the context-parallel frame of one layer call (decision 10).
 
-The packed batch of T rows is split into W contiguous equal slices of S = T / W rows; rank i holds global rows
-``[i*S, (i+1)*S)`` and every rank passes the same *global* ``cu_seqlens``. A layer needs, left of its slice, the
-hidden states of ``halo`` rows (max(window, 8 for ratio 4, 128 for ratio 128)) to build its raw window keys and
-the compressed groups it owns; they come from the previous rank, and their gradient goes back there.
-"""
+The packed batch of T rows is split into equal chunks over the W ranks (:mod:`.partition`: contiguous, rank i
+holds rows ``[i*S, (i+1)*S)``; or head-tail, two chunks per rank) and every rank passes the same *global*
+``cu_seqlens``. A layer needs, left of each of its chunks, the hidden states of ``halo`` rows (max(window, 8 for
+ratio 4, 128 for ratio 128)) to build its raw window keys and the compressed groups it owns; they come from the
+rank holding the previous chunk, and their gradient goes back there."""
 from __future__ import annotations
 
 import torch
@@ -12,15 +12,18 @@ import torch.distributed as dist
 
 from ..packing import PackedBatch, pack_batch
 from . import comm
-from .frame import RowFrame
+from . import partition as partition_
+from .frame import RowFrame, Segment
 
 
-def check_rows_per_rank(rows_per_rank: int, halo: int, world: int) -> None:
+def check_rows_per_rank(rows_per_chunk: int, halo: int, world: int, partition: str = "contiguous") -> None:
     """Host-only check, so every rank raises the same error before any collective (no hang)."""
-    if world > 1 and rows_per_rank < halo:
-        raise ValueError(f"too few rows per context-parallel rank: each of the {world} ranks holds "
-                         f"{rows_per_rank} rows, but this layer needs a left halo of {halo} rows from one neighbour; "
-                         f"use at least {halo} rows per rank (a larger batch or fewer ranks)")
+    if world > 1 and rows_per_chunk < halo:
+        held = (f"{rows_per_chunk} rows" if partition == "contiguous"
+                else f"two chunks of {rows_per_chunk} rows ({partition!r} partition)")
+        raise ValueError(f"too few rows per context-parallel rank: each of the {world} ranks holds {held}, but "
+                         f"this layer needs a left halo of {halo} rows from one neighbouring chunk; use at least "
+                         f"{halo} rows per chunk (a larger batch or fewer ranks)")
 
 
 def as_process_group(cp_group):
@@ -36,20 +39,31 @@ def as_process_group(cp_group):
 
 
 def context_parallel_frame(x_local: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int | None, group,
-                           halo: int, pack: PackedBatch | None = None) -> tuple[RowFrame, torch.Tensor]:
-    """(frame, x_keys): x_keys = [left halo ; x_local] hidden states, the rows whose raw KV this rank computes."""
+                           halo: int, pack: PackedBatch | None = None, partition: str = "contiguous"
+                           ) -> tuple[RowFrame, torch.Tensor]:
+    """(frame, x_keys): x_keys = ``[halo_0 ; segment_0 ; ...]`` hidden states, the rows whose raw KV this rank
+    computes (see :mod:`.partition` for which rows a rank holds)."""
     group = as_process_group(group)
+    partition_.check_partition(partition)
     world, rank = comm.world_and_rank(group)
     rows = x_local.shape[0]
-    check_rows_per_rank(rows, halo, world)
+    per_rank = partition_.num_chunks(partition, world) // world
+    if rows % per_rank:
+        raise ValueError(f"hidden_states has {rows} rows, which is not {per_rank} equal chunks ({partition!r} "
+                         f"partition); pass this rank's rows from dsv4attn.parallel.shard")
+    chunk = rows // per_rank
+    check_rows_per_rank(chunk, halo, world, partition)
     total = rows * world
     if pack is None:
         pack = pack_batch(cu_seqlens, total, max_seqlen, device=x_local.device)
     elif pack.total_rows != total:
         raise ValueError(f"pack must describe the global batch of {total} rows ({world} ranks x {rows}), "
                          f"got {pack.total_rows}")
-    start = rank * rows
     width = halo if world > 1 else 0
-    x_keys = torch.cat([comm.left_halo(x_local, width, group), x_local], dim=0) if width else x_local
-    key_start = start - (width if rank > 0 else 0)
-    return RowFrame(pack=pack, start=start, end=start + rows, key_start=key_start, group=group), x_keys
+    x_keys = comm.with_left_halos(x_local, width, group, partition) if width else x_local
+    segments, offset = [], 0
+    for start, end in partition_.segments(partition, world, rank, total):
+        key_start = start - (width if start > 0 else 0)
+        segments.append(Segment(start, end, key_start, offset))
+        offset += end - key_start
+    return RowFrame(pack=pack, segments=tuple(segments), group=group, partition=partition), x_keys

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import dsv4attn
-from dsv4attn.parallel import gather_rows, left_halo, shard, unshard
+from dsv4attn.parallel import gather_rows, left_halo, segments, shard, unshard, with_left_halos
 
 # Starts 0 1 4 8 13 13 99 399 408 425; 555 real rows, 5 padding rows -> 560 = 2 x 280 = 4 x 140.
 LENGTHS = (1, 3, 4, 5, 0, 86, 300, 9, 17, 130)
@@ -73,9 +73,31 @@ def _check_primitives(group, world, rank):
     (full * torch.arange(world * rows, dtype=torch.float64)[:, None]).sum().backward()
     want_grad = float(world) * torch.arange(rank * rows, (rank + 1) * rows, dtype=torch.float64)[:, None]
     assert torch.equal(x_local.grad, want_grad.expand(rows, 2))
+    _check_head_tail_primitives(group, world, rank)
 
 
-def _check_parity(group, world, rank, dtype, cases, tol):
+def _check_head_tail_primitives(group, world, rank):
+    """Head-tail: shard/unshard round trip; each segment gets the rows left of it (from whichever rank holds the
+    previous chunk) and the halo gradients come back to their owners."""
+    chunk, width = 6, 3
+    total = 2 * world * chunk
+    x = torch.arange(total * 2, dtype=torch.float64).view(total, 2) + 1
+    x_local = shard(x, group, "head_tail").clone().requires_grad_(True)
+    spans = segments("head_tail", world, rank, total)
+    assert torch.equal(x_local, torch.cat([x[a:b] for a, b in spans]))
+    keys = with_left_halos(x_local, width, group, "head_tail")
+    key_rows = torch.cat([torch.arange(max(a - width, 0), b) for a, b in spans])
+    assert torch.equal(keys, x[key_rows]), (rank, keys)
+    (keys * key_rows[:, None].to(keys.dtype)).sum().backward()
+    rows = torch.arange(total)
+    in_a_halo = ((rows % chunk) >= chunk - width) & (rows < total - chunk)      # left of a later chunk
+    want = (rows * (1 + in_a_halo.long())).to(torch.float64)[:, None].expand(total, 2)
+    assert torch.equal(x_local.grad, shard(want, group, "head_tail")), (rank, x_local.grad)
+    full = unshard(x_local.detach(), group, "head_tail")
+    assert torch.equal(full, x)
+
+
+def _check_parity(group, world, rank, dtype, cases, tol, partition="contiguous"):
     cu, max_len = _pack()
     for ratio, phase in cases:
         layer = _layer(ratio, dtype)
@@ -83,11 +105,13 @@ def _check_parity(group, world, rank, dtype, cases, tol):
         x = torch.randn(TOTAL_ROWS, 128, dtype=dtype)
         g = torch.randn(TOTAL_ROWS, 128, dtype=dtype)
         y, dx, grads, loss = _run(layer, x, g, phase, cu_seqlens=cu, max_seqlen=max_len)
-        y_l, dx_l, grads_l, loss_l = _run(layer, shard(x, group), shard(g, group), phase, cu_seqlens=cu,
-                                          max_seqlen=max_len, cp_group=group)
-        where = f"ratio {ratio} {phase} {dtype} rank {rank}/{world}"
-        torch.testing.assert_close(y_l, shard(y, group), **tol, msg=lambda m: f"{where} output: {m}")
-        torch.testing.assert_close(dx_l, shard(dx, group), **tol, msg=lambda m: f"{where} input grad: {m}")
+        y_l, dx_l, grads_l, loss_l = _run(layer, shard(x, group, partition), shard(g, group, partition), phase,
+                                          cu_seqlens=cu, max_seqlen=max_len, cp_group=group,
+                                          cp_partition=partition)
+        where = f"ratio {ratio} {phase} {dtype} {partition} rank {rank}/{world}"
+        torch.testing.assert_close(y_l, shard(y, group, partition), **tol, msg=lambda m: f"{where} output: {m}")
+        torch.testing.assert_close(dx_l, shard(dx, group, partition), **tol,
+                                   msg=lambda m: f"{where} input grad: {m}")
         for name, grad in grads_l.items():
             dist.all_reduce(grad, group=group)
             torch.testing.assert_close(grad, grads[name], **tol, msg=lambda m: f"{where} grad {name}: {m}")
@@ -98,12 +122,12 @@ def _check_parity(group, world, rank, dtype, cases, tol):
                 assert float(loss) > 0, where
 
 
-def _check_too_few_rows(group, world):
+def _check_too_few_rows(group, world, partition="contiguous"):
     layer = _layer(128, torch.float64)
     x = torch.randn(64 * world, 128, dtype=torch.float64)
     try:
-        layer(shard(x, group), cu_seqlens=torch.tensor([0, 64 * world], dtype=torch.int32), max_seqlen=64 * world,
-              cp_group=group)
+        layer(shard(x, group, partition), cu_seqlens=torch.tensor([0, 64 * world], dtype=torch.int32),
+              max_seqlen=64 * world, cp_group=group, cp_partition=partition)
     except ValueError as err:
         return str(err)
     return "no error"
@@ -120,7 +144,11 @@ def _worker(rank, world, init_file, result_dir):
         _check_parity(group, world, rank, torch.float64, cases, dict(rtol=1e-9, atol=1e-11))
         _check_parity(group, world, rank, torch.float32, [(4, "warmup"), (128, "sparse")],
                       dict(rtol=1e-4, atol=2e-5))
+        # Head-tail: 2W chunks of 140 (W=2) / 70 (W=4) rows; a 70-row chunk is too narrow for ratio 128's halo.
+        balanced = [case for case in cases if world == 2 or case[0] != 128]
+        _check_parity(group, world, rank, torch.float64, balanced, dict(rtol=1e-9, atol=1e-11), "head_tail")
         message = _check_too_few_rows(group, world)
+        assert "two chunks of 32 rows" in _check_too_few_rows(group, world, "head_tail")
         with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
             f.write("ok\n" + message)
         dist.destroy_process_group()
