@@ -11,7 +11,7 @@ from ..ops import indexer_kl, indexer_topk, sparse_attention
 from ..ops.index_sets import Concat, Explicit, Rows, VisibleCompressed, Window
 from ..packing import PackedBatch, pack_batch
 from ..parallel.frame import single_device_frame
-from ..parallel.setup import context_parallel_frame
+from ..parallel.setup import context_parallel_frame, halo_rows
 from ..rope import apply_rope, layer_rope_frequencies
 from .common import AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm, rms_norm_unweighted
 from .compressor import Compressor
@@ -107,8 +107,8 @@ class HybridAttention(KeepFp32Params):
 
     @property
     def halo_rows(self) -> int:
-        """Rows of hidden states a context-parallel rank needs from its left neighbour (decision 10)."""
-        return max(self.config.sliding_window, {0: 0, 4: 8, 128: 128}[self.compress_ratio])
+        """Rows of hidden states a context-parallel chunk needs from the chunk left of it (decision 10)."""
+        return halo_rows(self.config, self.compress_ratio)
 
     def _forward_frame(self, x, x_keys, frame, phase):
         c, T, H, D = self.config, x.shape[0], self.config.num_attention_heads, self.config.head_dim

@@ -6,9 +6,9 @@ the single-device run for either partition (``"contiguous"``, ``"head_tail"``).
 """
 from .comm import gather_rows, left_halo, shard, unshard, with_left_halos
 from .frame import RowFrame, Segment, owned_capacity, single_device_frame
-from .partition import PARTITIONS, chunks_of_rank, segments
-from .setup import check_rows_per_rank, context_parallel_frame
+from .partition import PARTITIONS, chunks_of_rank, num_chunks, segments
+from .setup import check_rows_per_rank, context_parallel_frame, halo_rows
 
 __all__ = ["shard", "unshard", "gather_rows", "left_halo", "with_left_halos", "RowFrame", "Segment",
            "single_device_frame", "context_parallel_frame", "owned_capacity", "check_rows_per_rank", "PARTITIONS",
-           "chunks_of_rank", "segments"]
+           "chunks_of_rank", "num_chunks", "segments", "halo_rows"]

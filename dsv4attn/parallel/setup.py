@@ -16,6 +16,12 @@ from . import partition as partition_
 from .frame import RowFrame, Segment
 
 
+def halo_rows(config, compress_ratio: int) -> int:
+    """Rows of hidden states a context-parallel chunk needs from the chunk left of it: max(window, 8 for ratio 4
+    (its group and the previous one, overlapping), 128 for ratio 128) (decision 10)."""
+    return max(config.sliding_window, {0: 0, 4: 8, 128: 128}[compress_ratio])
+
+
 def check_rows_per_rank(rows_per_chunk: int, halo: int, world: int, partition: str = "contiguous") -> None:
     """Host-only check, so every rank raises the same error before any collective (no hang)."""
     if world > 1 and rows_per_chunk < halo:

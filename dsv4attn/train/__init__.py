@@ -3,7 +3,8 @@
 - ``model.py``      DecoderLM: embedding, blocks of RMSNorm -> HybridAttention -> RMSNorm -> SwiGLU, head
 - ``data.py``       built-in long-range retrieval task and byte-level text, packed into THD batches
 - ``config.py``     TrainConfig: options, validation, phase curriculum, LR schedule
-- ``loop.py``       the training loop (devices, torchrun data parallelism, resume, eval, checkpoints)
+- ``loop.py``       the training loop (devices, torchrun data/context parallelism, resume, eval, checkpoints)
+- ``distributed.py`` data x context parallel layout: process groups, this rank's rows, gradient reduction
 - ``evaluate.py``   held-out LM loss, retrieval accuracy, indexer loss and recall@k
 - ``checkpoint.py`` safetensors weights + JSON metadata, atomic writes, bit-exact resume
 - ``report.py``     curves.png and the end-of-run summary

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import sys
 
+from ..parallel import PARTITIONS
 from .config import TrainConfig
 
 HELP = {
@@ -20,7 +21,7 @@ HELP = {
     "ratios": "comma-separated compress ratio of each layer: 0 window, 4 CSA, 128 HCA",
     "indexer_loss_coeff": "coefficient of the indexer KL loss",
     "data": "UTF-8 text file or folder of them (byte-level); default: the built-in retrieval task",
-    "capacity": "rows (tokens) of every packed batch, per rank",
+    "capacity": "rows (tokens) of every packed batch, one per data-parallel replica (split across its --cp ranks)",
     "seed": "seed of the model init and the data stream",
     "lr": "peak AdamW learning rate",
     "lr_warmup_steps": "linear LR warm-up steps (then cosine decay)",
@@ -37,7 +38,9 @@ HELP = {
     "stop_after": "stop after N steps of this session with a checkpoint (continue with --resume); 0: never",
     "plot": "write curves.png at the end (--no-plot to skip)",
     "device": "auto (cuda when available), cpu or cuda",
-    "cp": "context-parallel ranks (not available yet: only 1)",
+    "cp": "context-parallel ranks per replica: under torchrun, world = data-parallel x --cp",
+    "cp_partition": "rows of each context-parallel rank: contiguous (one slice) or head_tail (chunks i and "
+                    "2C-1-i of 2C: even causal work)",
 }
 
 
@@ -53,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m dsv4attn.train",
         description="Train a small decoder LM built from DeepSeek-V4 hybrid attention layers through the "
                     "dense -> warm-up -> sparse curriculum (built-in long-range retrieval data by default). "
-                    "Data parallel under torchrun --nproc-per-node N.")
+                    "Data parallel under torchrun --nproc-per-node N; with --cp C, each group of C consecutive "
+                    "ranks splits one batch (context parallelism).")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -61,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=HELP[f.name])
         elif f.name == "ratios":
             parser.add_argument(flag, type=_ratios, default=default, help=HELP[f.name] + " (default 0,4,128,4)")
+        elif f.name == "cp_partition":
+            parser.add_argument(flag, choices=PARTITIONS, default=default, help=f"{HELP[f.name]} (default {default})")
         else:
             kind = type(default) if default is not None else str
             parser.add_argument(flag, type=kind, default=default, help=f"{HELP[f.name]} (default {default})")

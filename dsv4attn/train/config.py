@@ -10,7 +10,9 @@ import math
 from dataclasses import dataclass
 
 from ..config import COMPRESS_RATIOS, Phase
-from .model import DEFAULT_RATIOS, PRESETS
+from ..parallel import PARTITIONS
+from ..parallel import num_chunks
+from .model import DEFAULT_RATIOS, PRESETS, largest_halo, model_config
 
 
 @dataclass
@@ -25,7 +27,8 @@ class TrainConfig:
     indexer_loss_coeff: float = 0.01    # lambda of the indexer KL loss (spec decision 7)
     # data
     data: str | None = None             # None: built-in retrieval task; else a UTF-8 file or folder (bytes)
-    capacity: int = 1024                # rows of every packed batch (per rank)
+    capacity: int = 1024                # rows of every packed batch: one per data-parallel replica (its CP ranks
+                                        # split it; padded up to equal chunks, see batch_rows)
     seed: int = 0                       # model init and data stream
     # optimizer (AdamW) and LR schedule: linear warm-up, then cosine down to min_lr_ratio * lr
     lr: float = 3e-3
@@ -45,7 +48,8 @@ class TrainConfig:
     plot: bool = True                   # write curves.png at the end
     # devices and parallelism
     device: str = "auto"                # auto = cuda when available, else cpu
-    cp: int = 1                         # context-parallel ranks (not available yet: must be 1)
+    cp: int = 1                         # context-parallel ranks per replica (torchrun world = data-parallel x cp)
+    cp_partition: str = "contiguous"    # rows of a CP rank: one slice, or "head_tail" (2 chunks, balanced work)
 
     def __post_init__(self) -> None:
         self.ratios = tuple(self.ratios)
@@ -77,13 +81,33 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v!r}")
         if self.lr <= 0 or self.min_lr_ratio > 1:
             raise ValueError(f"--lr must be > 0 and --min-lr-ratio in [0, 1], got {self.lr!r}, {self.min_lr_ratio!r}")
-        if self.cp != 1:
-            raise ValueError(f"--cp {self.cp}: context parallelism is not available yet in dsv4attn.train "
-                             f"(it plugs in once dsv4attn.parallel supports the whole model); use --cp 1, and "
-                             f"torchrun for data parallelism")
+        need_int("cp", 1)
+        if self.cp_partition not in PARTITIONS:
+            raise ValueError(f"--cp-partition must be one of {', '.join(PARTITIONS)}, got {self.cp_partition!r}")
+        if self.cp > 1:
+            # Every chunk of rows needs the last `halo` rows of the chunk before it, so a chunk can be no shorter
+            # (the layers raise too, but only at the first forward and without naming the options).
+            halo = largest_halo(model_config(self.model, self.ratios))
+            chunks = num_chunks(self.cp_partition, self.cp)
+            chunk = self.batch_rows // chunks
+            if chunk < halo:
+                held = (f"{chunk} rows" if chunks == self.cp else
+                        f"{chunks // self.cp} chunks of {chunk} rows (--cp-partition {self.cp_partition})")
+                raise ValueError(f"--cp {self.cp} with --capacity {self.capacity}: each context-parallel rank would "
+                                 f"hold {held} of the packed batch, but the model's layers (--ratios "
+                                 f"{','.join(map(str, self.ratios))}) need a left halo of {halo} rows from the "
+                                 f"previous chunk; use --capacity >= {halo * chunks} or a smaller --cp")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         return self
+
+    @property
+    def batch_rows(self) -> int:
+        """Rows of a packed batch as the model sees it: ``capacity`` rounded up to a multiple of the partition's
+        chunk count (``cp``, or ``2 * cp`` for head-tail) so that the chunks are equal; the extra rows are
+        capacity padding, so the documents, losses and gradients are those of --cp 1."""
+        chunks = num_chunks(self.cp_partition, self.cp) if self.cp_partition in PARTITIONS else self.cp
+        return -(-self.capacity // chunks) * chunks
 
     def phase_of(self, step: int) -> Phase:
         """Phase of the 0-based optimizer step ``step``."""
@@ -117,11 +141,12 @@ RESUME_FREE = frozenset({"out", "resume", "overwrite", "plot", "eval_every", "ev
 def resume_mismatches(saved: dict, current: TrainConfig) -> list[str]:
     """``--flag: checkpoint X, now Y`` for every run-shaping option that differs from the checkpoint's."""
     now = current.to_dict()
+    defaults = TrainConfig().to_dict()      # an option newer than the checkpoint ran as its default
     diffs = []
     for name, value in now.items():
         if name in RESUME_FREE:
             continue
-        before = saved.get(name, "<absent>")
+        before = saved.get(name, defaults[name])
         if before != value:
             diffs.append(f"--{name.replace('_', '-')}: checkpoint {before!r}, now {value!r}")
     return diffs

@@ -21,8 +21,9 @@ Two sources, both byte-level (vocabulary 256, the token of a byte is its value):
   the first 90 % of each file feeds training, the last 10 % held-out evaluation. No answer rows.
 
 Packing (:func:`pack_documents`): documents back to back, never split across batches or into each other; the
-rows left at the end are capacity padding. Targets are next-token ids inside a document and ``IGNORE`` on the last
-row of a document and on padding rows, so no prediction crosses a document boundary.
+rows left at the end are capacity padding (:meth:`Batch.padded_to` adds more, for context parallelism). Targets
+are next-token ids inside a document and ``IGNORE`` on the last row of a document and on padding rows, so no
+prediction crosses a document boundary. They are formed on the whole batch, before any context-parallel slicing.
 """
 from __future__ import annotations
 
@@ -59,6 +60,21 @@ class Batch:
         moved = {k: v.to(device, non_blocking=True) for k, v in move.items()}
         return Batch(**moved, max_seqlen=self.max_seqlen, num_tokens=self.num_tokens,
                      num_targets=self.num_targets, num_answers=self.num_answers)
+
+    def padded_to(self, rows: int) -> "Batch":
+        """The same documents in ``rows`` >= capacity rows: more capacity padding at the end (0 tokens, no
+        targets). Context parallelism needs a row count divisible by its ranks; padding rows change no loss,
+        output or gradient of a real row, so a padded batch trains exactly like the unpadded one."""
+        extra = rows - self.tokens.shape[0]
+        if extra < 0:
+            raise ValueError(f"rows must be >= the batch's {self.tokens.shape[0]} rows, got {rows}")
+        if extra == 0:
+            return self
+        grow = lambda t, fill: torch.cat([t, t.new_full((extra,), fill)])  # noqa: E731
+        return Batch(tokens=grow(self.tokens, 0), targets=grow(self.targets, IGNORE),
+                     answer_mask=grow(self.answer_mask, False), cu_seqlens=self.cu_seqlens,
+                     max_seqlen=self.max_seqlen, num_tokens=self.num_tokens, num_targets=self.num_targets,
+                     num_answers=self.num_answers)
 
 
 def check_capacity(capacity: int) -> int:

@@ -23,8 +23,10 @@ from ..layers.common import rms_norm_unweighted
 from ..ops import indexer_kl, indexer_topk, sparse_attention
 from ..ops.index_sets import Explicit, VisibleCompressed, Window, chunk_rows
 from ..packing import pack_batch
+from ..parallel import unshard
 from ..rope import apply_rope, layer_rope_frequencies
 from .data import Batch
+from .distributed import local_rows, sum_over
 from .model import DecoderLM, lm_loss
 
 
@@ -84,12 +86,20 @@ def _teacher_topk(q, compressed, outside_lse, visible, width, scale):
 
 
 @torch.no_grad()
-def evaluate(model: DecoderLM, batches: list[Batch], phase: str, device: torch.device, autocast=None) -> dict:
+def evaluate(model: DecoderLM, batches: list[Batch], phase: str, device: torch.device, autocast=None,
+             cp_group=None, cp_partition: str = "contiguous") -> dict:
     """Metrics of ``model`` on held-out ``batches`` in ``phase``; None where a metric does not apply (no answer
-    rows in the data, no ratio-4 layer, or no row with more than k visible entries)."""
+    rows in the data, no ratio-4 layer, or no row with more than k visible entries).
+
+    With ``cp_group`` (and ``cp_partition``) every rank of the group calls it with the same batches: the model
+    runs context-parallel, the LM sums are added up over the group, and each rank probes the indexer on the
+    gathered attention inputs of the whole batch (one layer at a time, without autograd). Every rank returns the
+    same metrics.
+    """
     was_training = model.training
     model.eval()
-    loss_sum = targets = correct = answers = rows = 0.0
+    targets = answers = rows = 0
+    sums = torch.zeros(2, dtype=torch.float64, device=device)      # cross-entropy sum, correct answers
     probe = {"kl": 0.0, "hits": 0, "wanted": 0}
     has_indexer = any(l.indexer is not None for l in model.attention_layers())
     try:
@@ -97,22 +107,26 @@ def evaluate(model: DecoderLM, batches: list[Batch], phase: str, device: torch.d
             b = batch.to(device)
             captured = [] if has_indexer else None
             with autocast or nullcontext():
-                logits = model(b.tokens, b.cu_seqlens, b.max_seqlen, phase, captured=captured)
-                loss_sum += float(lm_loss(logits, b.targets, b.num_targets)) * b.num_targets
-                targets += b.num_targets
+                logits = model(b.tokens, b.cu_seqlens, b.max_seqlen, phase, captured=captured, cp_group=cp_group,
+                               cp_partition=cp_partition)
+                rows_targets = local_rows(b.targets, cp_group, cp_partition)
+                sums[0] += lm_loss(logits, rows_targets, 1).double()         # a sum: divided once at the end
                 if b.num_answers:
-                    pred = logits.argmax(-1)
-                    correct += int((pred[b.answer_mask] == b.targets[b.answer_mask]).sum())
-                    answers += b.num_answers
+                    is_answer = local_rows(b.answer_mask, cp_group, cp_partition)
+                    sums[1] += (logits.argmax(-1)[is_answer] == rows_targets[is_answer]).sum()
+                targets += b.num_targets                                   # host counts of the whole batch
+                answers += b.num_answers
                 rows += b.num_tokens
                 if captured:
                     pack = pack_batch(b.cu_seqlens, b.tokens.shape[0], b.max_seqlen)
                     for layer, x in captured:
                         if layer.indexer is not None:
+                            x = x if cp_group is None else unshard(x, cp_group, cp_partition)
                             for key, v in probe_indexer(layer, x, pack, phase).items():
                                 probe[key] += v
     finally:
         model.train(was_training)
+    loss_sum, correct = sum_over(sums, cp_group).tolist()
     return {
         "lm_loss": loss_sum / max(targets, 1),
         "retrieval_acc": correct / answers if answers else None,

@@ -3,13 +3,16 @@ checkpoints, and the end-of-run plot and summary.
 
 Contract of :func:`train`: everything that can be checked (options, data path, resume compatibility, output
 directory) is checked *before* anything is written; a run is a pure function of its :class:`TrainConfig` (the data
-batch of step s on rank r is batch ``s * world + r`` of the seeded stream, the LR and the phase are functions of
-s), so ``--resume`` reproduces a straight run bit for bit on the same device and world size.
+batch of step s on data-parallel replica d is batch ``s * dp + d`` of the seeded stream, the LR and the phase are
+functions of s), so ``--resume`` reproduces a straight run bit for bit on the same device and world size.
+
+Parallelism (:mod:`dsv4attn.train.distributed`): ``world = dp x cp`` processes; the ``cp`` ranks of a replica
+split its batch's rows (context parallelism), replicas average their gradients (DDP). Metrics are those of
+replica 0's batch, whatever ``cp`` is: a ``--cp 2`` run logs the numbers of the ``--cp 1`` run (up to rounding).
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from contextlib import nullcontext
@@ -21,6 +24,7 @@ from tqdm import tqdm
 
 from .. import checks
 from . import checkpoint as ckpt_io
+from . import distributed
 from .config import TrainConfig, resume_mismatches
 from .data import EVAL, TRAIN, make_source
 from .evaluate import evaluate
@@ -50,12 +54,6 @@ class Run:
     def close(self) -> None:
         if self._log is not None:
             self._log.close()
-
-
-def _distributed() -> tuple[int, int, int]:
-    """(world_size, rank, local_rank) from torchrun's environment; (1, 0, 0) for a plain process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return world, int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def _pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
@@ -97,19 +95,38 @@ def _resume_point(cfg: TrainConfig, world: int) -> tuple[Path | None, dict | Non
     return ckpt, meta
 
 
-def _train_step(step_model, model: DecoderLM, optimizer, batch, phase: str, cfg: TrainConfig, autocast):
-    """One optimizer step; returns (LM loss, summed indexer loss or None) as floats."""
+def loss_and_grads(step_model, model: DecoderLM, batch, phase: str, cp_group=None, cp_partition: str = "contiguous",
+                   autocast=None):
+    """Forward and backward of one batch; leaves in ``model``'s ``.grad`` the gradient of the replica's batch
+    (summed over the CP group; averaged over replicas when ``step_model`` is DDP) and returns (LM loss, summed
+    indexer loss or None) of the whole batch as 0-d tensors.
+
+    Under context parallelism the next-token targets were formed on the global batch (data.py), so they are
+    sliced like the tokens; the LM loss of a rank is its rows' cross entropy over the *global* target count, and
+    the layers' indexer losses are shares of the global value too: both add up over the CP group.
+    """
     with autocast or nullcontext():
-        logits = step_model(batch.tokens, batch.cu_seqlens, batch.max_seqlen, phase)
-        loss = lm_loss(logits, batch.targets, batch.num_targets)
+        logits = step_model(batch.tokens, batch.cu_seqlens, batch.max_seqlen, phase, cp_group=cp_group,
+                            cp_partition=cp_partition)
+        loss = lm_loss(logits, distributed.local_rows(batch.targets, cp_group, cp_partition), batch.num_targets)
     loss.backward()                              # the indexer loss rides along inside the layers (decision 7)
-    if cfg.grad_clip > 0:
+    distributed.sum_gradients(model.parameters(), cp_group)
+    idx_loss = model.indexer_loss()
+    shares = loss.detach().reshape(1) if idx_loss is None else torch.stack([loss.detach(), idx_loss.to(loss.dtype)])
+    totals = distributed.sum_over(shares, cp_group)
+    return totals[0], (None if idx_loss is None else totals[1])
+
+
+def _train_step(step_model, model: DecoderLM, optimizer, batch, phase: str, cfg: TrainConfig, cp_group, autocast):
+    """One optimizer step; returns (LM loss, summed indexer loss or None) as floats."""
+    loss, idx_loss = loss_and_grads(step_model, model, batch, phase, cp_group=cp_group,
+                                    cp_partition=cfg.cp_partition, autocast=autocast)
+    if cfg.grad_clip > 0:                        # after every reduction: the same norm on every rank
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     # The dense phase's indexer loss is a zero placeholder (indexer idle): log it as absent.
-    idx_loss = model.indexer_loss() if phase != "dense" else None
-    return float(loss.detach()), None if idx_loss is None else float(idx_loss)
+    return float(loss), None if idx_loss is None or phase == "dense" else float(idx_loss)
 
 
 def _optimizer(model: DecoderLM, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -124,7 +141,8 @@ def _optimizer(model: DecoderLM, cfg: TrainConfig) -> torch.optim.AdamW:
 def train(cfg: TrainConfig) -> dict:
     """Run (or resume) training as ``cfg`` says; returns the final summary dict (rank 0; others get {})."""
     cfg.validate()
-    world, rank, local_rank = _distributed()
+    world, rank, local_rank = distributed.environment()
+    distributed.check_world(world, cfg.cp)
     device = _pick_device(cfg, local_rank)
     mcfg = model_config(cfg.model, cfg.ratios, cfg.indexer_loss_coeff)
     source = make_source(cfg.data, n_layers=mcfg.num_layers, window=mcfg.attention.sliding_window)
@@ -133,11 +151,14 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out)
     _check_out_dir(cfg, out, ckpt.parent.parent if ckpt is not None else None)
 
-    if world > 1:
+    own_group = world > 1 and not dist.is_initialized()   # a caller's process group stays the caller's
+    if own_group:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    par = distributed.build(world, rank, cfg.cp)
     is_main = rank == 0
+    evaluates = par.dp_rank == 0                  # replica 0 evaluates (all its CP ranks); rank 0 logs
     if is_main and cfg.overwrite and not cfg.resume:
         for name in RUN_FILES:
             target = out / name
@@ -152,18 +173,21 @@ def train(cfg: TrainConfig) -> dict:
         ckpt_io.set_rng_state(meta["rng"])
         start = meta["step"]
     ddp = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else None
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=par.dp_group) if par.dp > 1 else None
     step_model = ddp if ddp is not None else model
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
-    eval_batches = [source.batch(cfg.seed, EVAL, i, cfg.capacity) for i in range(cfg.eval_batches)] if is_main else []
+    rows = cfg.batch_rows
+    eval_batches = [source.batch(cfg.seed, EVAL, i, cfg.capacity).padded_to(rows)
+                    for i in range(cfg.eval_batches)] if evaluates else []
 
     run = Run(out, is_main)
     run.open()
     if is_main:
         ckpt_io.atomic_write_text(out / "config.json", json.dumps(
             {"run_config": cfg.to_dict(), "model_config": mcfg.to_dict(), "data": source.describe(),
-             "world_size": world, "device": str(device)}, indent=1))
-        run.log({"kind": "start", "step": start, "device": str(device), "world_size": world,
+             "world_size": world, "data_parallel": par.dp, "device": str(device)}, indent=1))
+        run.log({"kind": "start", "step": start, "device": str(device), "world_size": world, "cp": cfg.cp,
                  "resumed_from": str(ckpt) if ckpt else None, "params": sum(p.numel() for p in model.parameters())})
 
     stats = {"train_time_s": 0.0, "tokens": 0, "start_step": start, "wall_start": time.perf_counter()}
@@ -180,17 +204,20 @@ def train(cfg: TrainConfig) -> dict:
             for step in range(start, end):
                 phase = cfg.phase_of(step)
                 if phase != prev_phase:
-                    bar.write(f"step {step}: phase {prev_phase or 'start'} -> {phase}")
+                    if is_main:
+                        bar.write(f"step {step}: phase {prev_phase or 'start'} -> {phase}")
                     run.log({"kind": "phase", "step": step, "phase": phase})
                     prev_phase = phase
                 t0 = time.perf_counter()
                 lr = cfg.lr_at(step)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
-                batch = source.batch(cfg.seed, TRAIN, step * world + rank, cfg.capacity).to(device)
-                loss_value, idx_loss = _train_step(step_model, model, optimizer, batch, phase, cfg, autocast)
+                batch = source.batch(cfg.seed, TRAIN, step * par.dp + par.dp_rank, cfg.capacity)
+                batch = batch.padded_to(rows).to(device)
+                loss_value, idx_loss = _train_step(step_model, model, optimizer, batch, phase, cfg, par.cp_group,
+                                                   autocast)
                 dt = time.perf_counter() - t0
-                tokens = batch.num_tokens * world
+                tokens = batch.num_tokens * par.dp
                 stats["train_time_s"] += dt
                 stats["tokens"] += tokens
                 tok_rate = tokens / dt if tok_rate is None else 0.9 * tok_rate + 0.1 * tokens / dt
@@ -201,25 +228,30 @@ def train(cfg: TrainConfig) -> dict:
                 bar.set_postfix(loss=f"{loss_value:.3f}", phase=phase, tok_s=f"{tok_rate:.0f}", refresh=False)
                 bar.update(1)
                 done = step + 1
-                if is_main and (done % cfg.eval_every == 0 or done == end):
-                    last_eval = evaluate(model, eval_batches, phase, device, autocast)
+                if evaluates and (done % cfg.eval_every == 0 or done == end):
+                    last_eval = evaluate(model, eval_batches, phase, device, autocast, par.cp_group,
+                                         cfg.cp_partition)
                     run.log({"kind": "eval", "step": done, "phase": phase, **last_eval})
-                    bar.write(_eval_line(done, phase, last_eval))
+                    if is_main:
+                        bar.write(_eval_line(done, phase, last_eval))
                 if is_main and ((cfg.save_every and done % cfg.save_every == 0) or done == end):
-                    _save(out, model, optimizer, cfg, mcfg, source, done, world, stats)
+                    _save(out, model, optimizer, cfg, mcfg, source, done, world, par.dp, stats)
         bar.close()
         end = max(start, end)
         summary = {}
+        if evaluates and last_eval is None:    # resumed at or past the last step: still report the model
+            last_eval = evaluate(model, eval_batches, cfg.phase_of(end - 1), device, autocast, par.cp_group,
+                                 cfg.cp_partition)
+            run.log({"kind": "eval", "step": end, "phase": cfg.phase_of(end - 1), **last_eval})
         if is_main:
-            if last_eval is None:    # resumed at or past the last step: still report where the model stands
-                last_eval = evaluate(model, eval_batches, cfg.phase_of(end - 1), device, autocast)
-                run.log({"kind": "eval", "step": end, "phase": cfg.phase_of(end - 1), **last_eval})
             summary = _finish(out, cfg, mcfg, device, world, stats, last_eval, model, end)
+        if world > 1:
+            dist.barrier()          # no rank returns (or resumes) before rank 0 has written the run's files
         return summary
     finally:
         bar.close()
         run.close()
-        if world > 1 and dist.is_initialized():
+        if own_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -229,10 +261,12 @@ def _eval_line(step: int, phase: str, m: dict) -> str:
             f"indexer_loss {fmt(m['indexer_loss'], '.5f')}  recall@k {fmt(m['indexer_recall'], '.3f')}")
 
 
-def _save(out: Path, model, optimizer, cfg: TrainConfig, mcfg, source, done: int, world: int, stats: dict) -> None:
+def _save(out: Path, model, optimizer, cfg: TrainConfig, mcfg, source, done: int, world: int, dp: int,
+          stats: dict) -> None:
+    # Replicas hold the same weights and optimizer state (DDP, and the CP sum before every step): rank 0 writes.
     meta = {"step": done, "phase": cfg.phase_of(done - 1),
             "next_phase": cfg.phase_of(done) if done < cfg.steps else None,
-            "data": {**source.describe(), "next_batch": done * world},
+            "data": {**source.describe(), "next_batch": done * dp},
             "run_config": cfg.to_dict(), "model_config": mcfg.to_dict(), "world_size": world,
             "rng": ckpt_io.rng_state(), "tokens_seen_this_session": stats["tokens"],
             "torch_version": torch.__version__}
@@ -243,7 +277,7 @@ def _finish(out: Path, cfg, mcfg, device, world, stats, last_eval, model, done: 
     wall = time.perf_counter() - stats["wall_start"]
     summary = {
         "out": str(out), "steps": cfg.steps, "done": done, "steps_this_session": done - stats["start_step"],
-        "ratios": list(cfg.ratios), "device": str(device), "world_size": world,
+        "ratios": list(cfg.ratios), "device": str(device), "world_size": world, "cp": cfg.cp,
         "params": sum(p.numel() for p in model.parameters()),
         "wall_time_s": wall, "train_time_s": stats["train_time_s"], "tokens": stats["tokens"],
         "tokens_per_s": stats["tokens"] / stats["train_time_s"] if stats["train_time_s"] else None,

@@ -19,6 +19,8 @@ from ..config import AttentionConfig
 from ..layers import HybridAttention
 from ..layers.common import RMSNorm
 from ..packing import pack_batch
+from ..parallel import halo_rows
+from .distributed import local_rows
 
 DEFAULT_RATIOS = (0, 4, 128, 4)
 
@@ -93,11 +95,13 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = SwiGLU(a.hidden_size, config.mlp_hidden)
 
-    def forward(self, x, pack, phase: str, captured: list | None = None) -> torch.Tensor:
+    def forward(self, x, pack, phase: str, captured: list | None = None, cp_group=None,
+                cp_partition: str = "contiguous") -> torch.Tensor:
         h = self.attn_norm(x)
         if captured is not None:
             captured.append((self.attn, h))
-        x = x + self.attn(h, cu_seqlens=pack.cu_seqlens, max_seqlen=pack.max_seqlen, phase=phase, pack=pack)
+        x = x + self.attn(h, cu_seqlens=pack.cu_seqlens, max_seqlen=pack.max_seqlen, phase=phase, pack=pack,
+                          cp_group=cp_group, cp_partition=cp_partition)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -106,6 +110,11 @@ class DecoderLM(nn.Module):
 
     The packed metadata is built once per forward and shared by every layer. With ``captured`` (a list), each
     block appends ``(attention_layer, attention_input)`` for evaluation probes.
+
+    Context parallelism (``cp_group``, ``cp_partition``; decision 10): every rank of the group passes the same
+    *global* batch (``tokens`` of all T rows, global ``cu_seqlens``) and gets the logits of its own rows (T / cp
+    of them, in the order of :func:`dsv4attn.train.distributed.local_rows`). Embedding, norms, MLP and head are
+    per row; the attention layers exchange what they need. ``captured`` then holds this rank's attention inputs.
     """
 
     def __init__(self, config: ModelConfig):
@@ -130,11 +139,11 @@ class DecoderLM(nn.Module):
             nn.init.normal_(block.attn.o_b_proj.weight, std=residual_std)
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, phase: str,
-                captured: list | None = None) -> torch.Tensor:
-        pack = pack_batch(cu_seqlens, tokens.shape[0], max_seqlen)
-        x = self.embed(tokens)
+                captured: list | None = None, cp_group=None, cp_partition: str = "contiguous") -> torch.Tensor:
+        pack = pack_batch(cu_seqlens, tokens.shape[0], max_seqlen)          # of the global batch, also under CP
+        x = self.embed(local_rows(tokens, cp_group, cp_partition))
         for block in self.blocks:
-            x = block(x, pack, phase, captured)
+            x = block(x, pack, phase, captured, cp_group, cp_partition)
         return self.head(self.norm(x))
 
     def attention_layers(self) -> list[HybridAttention]:
@@ -146,7 +155,15 @@ class DecoderLM(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
 
+def largest_halo(config: ModelConfig) -> int:
+    """Rows a context-parallel chunk needs from the chunk left of it for the model's widest layer."""
+    return max(halo_rows(config.attention, r) for r in config.attention.compress_ratios)
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, num_targets: int) -> torch.Tensor:
-    """Mean next-token cross entropy over rows with a target (``num_targets`` host int; 0 gives a zero loss)."""
-    total = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+    """Next-token cross entropy summed over rows with a target, divided by ``num_targets`` (host int; 0 gives a
+    zero loss). With ``num_targets`` the count of the whole batch, a context-parallel rank's ``logits`` and
+    ``targets`` (its rows) give its share: the shares of a CP group add up to the single-device mean."""
+    total = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
+                            ignore_index=-100, reduction="sum")           # fp32 (fp64 in float64 checks)
     return total / max(num_targets, 1)

@@ -79,7 +79,8 @@ def summary_text(s: dict) -> str:
          f"dsv4attn.train stopped at step {s['done']} of {s['steps']} (continue with --resume {s['out']})")
         + f" (this session {s['steps_this_session']}), ratios {','.join(map(str, s['ratios']))}",
         f"  schedule         dense {sch['dense']}  ->  warm-up {sch['warmup']}  ->  sparse {sch['sparse']}",
-        f"  model            {s['params']:,} parameters on {s['device']} x {s['world_size']}",
+        f"  model            {s['params']:,} parameters on {s['device']} x {s['world_size']}"
+        + (f" (context parallel x {s['cp']})" if s.get("cp", 1) > 1 else ""),
         f"  time             {s['wall_time_s']:.1f} s wall, {s['train_time_s']:.1f} s in training steps",
         f"  throughput       {fmt(s['tokens_per_s'], ',.0f')} tokens/s ({s['tokens']:,} tokens this session)",
         "  held-out eval at the last step:",

@@ -18,11 +18,20 @@ def _refused(capsys, args, message, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--dense-steps", "3", "--warmup-steps", "2"], "--dense-steps (3) + --warmup-steps (2) must be <= --steps (4)"),
     (["--capacity", "0"], "--capacity must be at least one token"),
-    (["--cp", "2"], "context parallelism is not available yet"),
+    (["--cp", "0"], "--cp must be an int >= 1"),
+    (["--cp", "2"], "--cp 2 with --capacity 192: each context-parallel rank would hold 96 rows of the packed batch, "
+                    "but the model's layers (--ratios 0,4,128,4) need a left halo of 128 rows"),
+    (["--cp", "3", "--ratios", "0,4", "--capacity", "20"], "would hold 7 rows of the packed batch, but the "
+                                                          "model's layers (--ratios 0,4) need a left halo of 8 rows"),
+    (["--cp", "2", "--cp-partition", "head_tail", "--capacity", "256"],
+     "would hold 2 chunks of 64 rows (--cp-partition head_tail) of the packed batch"),
+    (["--cp", "2", "--capacity", "256"], "--cp 2 must divide the number of processes, got 1 (WORLD_SIZE)"),
     (["--ratios", "0,5"], "--ratios must be a comma-separated list"),
     (["--steps", "0"], "--steps must be an int >= 1"),
     (["--model", "huge"], "--model must be one of"),
-], ids=["phase_schedule_too_long", "capacity_zero", "context_parallel", "bad_ratio", "no_steps", "bad_preset"])
+], ids=["phase_schedule_too_long", "capacity_zero", "cp_zero", "cp_too_few_rows_per_rank",
+        "cp_too_few_rows_window_8", "cp_head_tail_too_few_rows", "cp_not_dividing_the_world", "bad_ratio",
+        "no_steps", "bad_preset"])
 def test_bad_options(tmp_path, capsys, args, message):
     _refused(capsys, ["--out", str(tmp_path / "run"), *args], message, tmp_path)
     assert not (tmp_path / "run").exists()

@@ -31,6 +31,19 @@ def test_flags_reach_the_config():
     assert [cfg.phase_of(s) for s in range(10)] == ["dense"] * 3 + ["warmup"] * 2 + ["sparse"] * 5
 
 
+def test_context_parallel_flags():
+    cfg = parse_args(["--cp", "2", "--cp-partition", "head_tail", "--capacity", "1021"])
+    assert (cfg.cp, cfg.cp_partition, cfg.batch_rows) == (2, "head_tail", 1024)     # 4 equal chunks
+    assert parse_args(["--cp", "4", "--capacity", "1021"]).batch_rows == 1024
+    assert parse_args(["--cp", "3", "--capacity", "1021"]).batch_rows == 1023
+
+
+def test_unknown_cp_partition_exits_with_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--cp-partition", "zigzag"])
+    assert e.value.code == 2 and "invalid choice: 'zigzag'" in capsys.readouterr().err
+
+
 def test_malformed_ratios_exit_with_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--ratios", "0,four"])
@@ -42,7 +55,7 @@ def test_module_entry_point_prints_help():
                           timeout=60)
     assert done.returncode == 0
     for flag in ("--steps", "--dense-steps", "--warmup-steps", "--data", "--ratios", "--out", "--resume", "--cp",
-                 "--seed", "--capacity"):
+                 "--cp-partition", "--seed", "--capacity"):
         assert flag in done.stdout
 
 

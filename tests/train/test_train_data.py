@@ -74,6 +74,18 @@ def test_every_answer_is_beyond_the_window_reach_and_matches_its_key():
     assert checked > 50
 
 
+def test_padding_a_batch_adds_capacity_padding_only():
+    batch = RetrievalTask(REACH).batch(0, TRAIN, 2, 250)
+    padded = batch.padded_to(256)
+    _assert_well_packed(padded, 256)
+    assert torch.equal(padded.tokens[:250], batch.tokens) and torch.equal(padded.cu_seqlens, batch.cu_seqlens)
+    assert (padded.num_tokens, padded.num_targets, padded.max_seqlen) == \
+        (batch.num_tokens, batch.num_targets, batch.max_seqlen)
+    assert batch.padded_to(250) is batch
+    with pytest.raises(ValueError, match="rows must be >= the batch's 250 rows"):
+        batch.padded_to(249)
+
+
 def test_pack_documents_rejects_overflow():
     with pytest.raises(ValueError, match="do not fit the capacity 4"):
         pack_documents([np.arange(3, dtype=np.uint8), np.arange(2, dtype=np.uint8)], [np.zeros(3, bool)] * 2, 4)
