@@ -48,4 +48,9 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, layout
         return indexer_topk_reference(q, k, weights, candidates, topk)
 
 
+try:  # registers the Triton kernel with the backend (used on CUDA); CPU-only installs run the reference
+    from . import triton as _triton_kernels  # noqa: F401
+except ImportError:
+    _triton_kernels = None
+
 __all__ = ["indexer_topk", "indexer_topk_reference", "index_scores"]

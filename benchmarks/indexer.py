@@ -1,0 +1,182 @@
+"""Lightning-indexer scores + deterministic top-k on the GPU: Triton vs the reference, one table.
+
+Flash geometry from ``AttentionConfig.flash()`` (index_n_heads 64, index_head_dim 128, index_topk 512, ratio 4),
+bf16 inputs, one document of T rows by default (``--doc-len`` packs equal documents instead). FLOPs follow
+spec/PERFORMANCE.md: score = 2 * Hi * Di * (visible pairs) = 2 * Hi * Di * sum_t row_visible[t] (~ T^2 / 8 for
+one document). ``score ms`` runs only the score kernel over the same query chunks; ``top-k ms`` is the rest
+(total - score: torch.topk over the int64 keys and the index decode). Times are the median of 10 runs after
+warm-up (CUDA events); the kernels are called directly (no argument checks). Run (CUDA, Triton):
+
+    python benchmarks/indexer.py --T 8192 32768 131072 262144 [--reference-T 8192 32768] [--check-T 8192]
+                                 [--sweep] [--log out.txt]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (PERFORMANCE.md)
+RATIO = 4
+
+
+def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_mib(fn) -> float:
+    """Peak memory above what was allocated before the call (the inputs)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def make_inputs(T: int, doc_len: int, cfg, seed: int = 0):
+    import dsv4attn
+    from dsv4attn.ops.index_sets import VisibleCompressed
+    doc = doc_len or T
+    lengths = [doc] * (T // doc) + ([T % doc] if T % doc else [])
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    pack = dsv4attn.pack_batch(cu, T, doc)
+    lay = pack.compressed(RATIO)
+    Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(T, Hi, Di, device="cuda", generator=gen).to(torch.bfloat16)
+    k = torch.randn(lay.capacity, Di, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(T, Hi, device="cuda", generator=gen) * (Hi * Di) ** -0.5
+    pairs = int(lay.row_visible.sum())
+    return q, k, w, VisibleCompressed(lay, T), pairs
+
+
+def chosen_scores(q, k, w, chosen):
+    """(T, K) float64 scores of the chosen key rows, -inf at -1 slots (chunked: bounded memory)."""
+    parts = []
+    for s in range(0, chosen.shape[0], 256):
+        rows = k.double()[chosen[s:s + 256].long().clamp(min=0)]
+        dots = torch.einsum("thd,tkd->thk", q[s:s + 256].double(), rows)
+        parts.append((torch.relu(dots) * w[s:s + 256].double()[..., None]).sum(1))
+    return torch.cat(parts).masked_fill(chosen < 0, float("-inf"))
+
+
+def check(T: int, cfg, doc_len: int, log) -> None:
+    """Triton vs reference at T: the -1 pattern, the scores of the chosen sets, how many rows chose differently."""
+    from dsv4attn.ops.indexer.reference import indexer_topk_reference
+    from dsv4attn.ops.indexer.triton import indexer_topk_triton
+    q, k, w, cand, _ = make_inputs(T, doc_len, cfg, seed=1)
+    got = indexer_topk_triton(q, k, w, cand, cfg.index_topk)
+    want = indexer_topk_reference(q, k, w, cand, cfg.index_topk)
+    a = chosen_scores(q, k, w, got).sort(1, descending=True).values
+    b = chosen_scores(q, k, w, want).sort(1, descending=True).values
+    fin = torch.isfinite(b)
+    err = ((a - b).abs()[fin].max() / b[fin].abs().max()).item()
+    rows_differ = (got.sort(1).values != want.sort(1).values).any(1).float().mean().item()
+    log(f"check T={T} bf16: same -1 pattern {bool(torch.equal(got >= 0, want >= 0))}, chosen-score error "
+        f"{err:.2e} of the largest score, rows with another set {rows_differ:.2%}, identical indices "
+        f"{bool(torch.equal(got, want))}")
+    del q, k, w, got, want, a, b
+    torch.cuda.empty_cache()
+
+
+def bench(T: int, cfg, doc_len: int, log, with_reference: bool, config=None, tag: str = "triton") -> None:
+    from dsv4attn.ops.index_sets import chunk_rows
+    from dsv4attn.ops.indexer import triton as ixt
+    from dsv4attn.ops.indexer.reference import indexer_topk_reference
+    q, k, w, cand, pairs = make_inputs(T, doc_len, cfg)
+    topk, Hi, Di = cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim
+    flop = 2.0 * Hi * Di * pairs
+    first, visible, _, _ = ixt.contiguous_ranges(cand)
+    width = cand.width
+    config = config or ixt.CONFIG
+    chunks = list(chunk_rows(T, width, budget=ixt.KEY_BUDGET))
+
+    def full():
+        ixt.indexer_topk_triton(q, k, w, cand, topk, config=config)
+
+    def scores_only():
+        for s, e in chunks:
+            ixt._score_keys(q[s:e], k, w[s:e], first[s:e], visible[s:e], None, 0, width, config)
+
+    ms = time_ms(full)
+    score_ms = time_ms(scores_only)
+    mem = peak_mib(full)
+    shape = f"T={T} doc={doc_len or T} Hi={Hi} Di={Di} k={topk} chunks={len(chunks)}"
+    log(f"| {tag} | {shape} | {pairs:.3e} | {ms:9.2f} | {score_ms:9.2f} | {ms - score_ms:9.2f} | "
+        f"{flop / score_ms / 1e9:7.1f} | {flop / ms / 1e9:7.1f} | {flop / score_ms / 1e9 / MATMUL_PEAK_TFLOPS:6.3f} | "
+        f"{mem:9.0f} |")
+    if with_reference:
+        def ref():
+            indexer_topk_reference(q, k, w, cand, topk)
+        ref_ms = time_ms(ref, warmup=1, reps=3)
+        ref_mem = peak_mib(ref)
+        log(f"| reference | {shape} | {pairs:.3e} | {ref_ms:9.2f} | - | - | - | {flop / ref_ms / 1e9:7.1f} | "
+            f"{flop / ref_ms / 1e9 / MATMUL_PEAK_TFLOPS:6.3f} | {ref_mem:9.0f} |   (triton {ref_ms / ms:.1f}x faster)")
+
+
+SWEEP = [dict(BLOCK_T=t, BLOCK_E=e, num_warps=nw, num_stages=ns)
+         for t, e, nw, ns in [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3),
+                              (128, 128, 8, 2), (64, 256, 8, 2), (32, 128, 4, 3)]]
+
+
+def sweep(T: int, cfg, doc_len: int, log) -> None:
+    for config in SWEEP:
+        try:
+            bench(T, cfg, doc_len, log, with_reference=False, config=config, tag=f"triton {config}")
+        except Exception as exc:                                           # noqa: BLE001 - report and go on
+            log(f"sweep {config}: failed {type(exc).__name__}: {str(exc)[:200]}")
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072, 262144])
+    parser.add_argument("--doc-len", type=int, default=0, help="0: one document spanning the batch")
+    parser.add_argument("--reference-T", type=int, nargs="*", default=[8192, 32768],
+                        help="T values at which the reference is also timed (slow: it gathers every candidate)")
+    parser.add_argument("--check-T", type=int, default=8192, help="0 skips the correctness check")
+    parser.add_argument("--sweep", action="store_true", help="also time the tile configurations in SWEEP at T[0]")
+    parser.add_argument("--log", default=None, help="also append every line to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/indexer.py needs a CUDA device")
+    import triton
+    import dsv4attn
+    cfg = dsv4attn.AttentionConfig.flash()
+    sink_file = open(args.log, "a") if args.log else None
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        if sink_file:
+            sink_file.write(line + "\n")
+            sink_file.flush()
+
+    log(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | bf16 inputs")
+    if args.check_T:
+        check(args.check_T, cfg, args.doc_len, log)
+    log("| impl | shape | visible pairs | ms (median of 10) | score ms | top-k ms | score TFLOP/s | "
+        "end-to-end TFLOP/s | / 782 peak (triton: score; reference: end-to-end) | peak MiB |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
+    for T in args.T:
+        bench(T, cfg, args.doc_len, log, with_reference=T in args.reference_T)
+        torch.cuda.empty_cache()
+    if args.sweep:
+        sweep(args.T[0], cfg, args.doc_len, log)
+
+
+if __name__ == "__main__":
+    main()

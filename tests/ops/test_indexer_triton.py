@@ -1,0 +1,296 @@
+"""Triton indexer top-k vs the reference: on CPU through TRITON_INTERPRET=1, and at Flash sizes on CUDA.
+
+As in test_sparse_attention_triton.py, the interpreter must be on before Triton is first imported, so every
+interpreted kernel run happens in one subprocess (``_worker``) that prints its measurements as JSON; the
+parametrised tests only judge them.
+
+What must hold (spec decision 6):
+- fp32 inputs (and exactly representable ones in any dtype: integer q and k, power-of-two weights): the indices
+  equal the reference's exactly, ties to the lower index included. The kernel sums heads in another order than
+  the reference, so random fp32 scores agree to ~1e-7 relative, not bit for bit; at these sizes no two candidates
+  of a row are that close, at Flash sizes some are (the GPU test compares scores there).
+- bf16 / fp16 inputs: both sides compute fp32 scores of the same rounded inputs and may order near-ties
+  differently, so the *scores* of the chosen sets (float64, from the rounded inputs) are compared instead: same
+  -1 pattern, and the i-th best chosen scores agree within SCORE_RTOL of the row's largest |score|.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.packs import build_pack, random_lengths
+
+ROOT = Path(__file__).resolve().parents[2]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SMALL = dict(BLOCK_T=16, BLOCK_E=16, num_warps=4, num_stages=1)      # many row / entry blocks per pack
+SCORE_RTOL = 1e-5        # fp32 summation-order noise over <= 8 heads x 64 dims is ~1e-7 of the row maximum
+
+
+def _case(dtype, H, Di, topk, *, compare="exact", values="randn", config=None, budget=None, view="layout",
+          k_dtype=None, max_len=40, padding=5):
+    return dict(dtype=dtype, H=H, Di=Di, topk=topk, compare=compare, values=values, config=config, budget=budget,
+                view=view, k_dtype=k_dtype, max_len=max_len, padding=padding)
+
+
+CASES = {
+    "fp32-H1-D16-top1-small": _case("fp32", 1, 16, 1, config=SMALL),
+    "fp32-H3-D32-top5": _case("fp32", 3, 32, 5),
+    "fp32-H8-D64-top64-over-width": _case("fp32", 8, 64, 64),
+    "fp32-H2-D16-top7-small-chunks": _case("fp32", 2, 16, 7, config=SMALL, budget=7 * 17),
+    "fp32-H5-D32-top4-rows-table": _case("fp32", 5, 32, 4, view="rows-table"),
+    "fp32-H4-D32-top6-offset-small": _case("fp32", 4, 32, 6, view="offset", config=SMALL),
+    "fp32-H3-D24-top5-odd-dim": _case("fp32", 3, 24, 5),
+    "fp32-H2-D16-top3-no-padding": _case("fp32", 2, 16, 3, padding=0),
+    "bf16-H8-D64-top9": _case("bf16", 8, 64, 9, compare="scores"),
+    "bf16-H3-D16-top100-small": _case("bf16", 3, 16, 100, compare="scores", config=SMALL),
+    "bf16-H4-D32-top6-rows-table": _case("bf16", 4, 32, 6, compare="scores", view="rows-table"),
+    "fp16-H4-D32-top5": _case("fp16", 4, 32, 5, compare="scores"),
+    "bf16-q-fp32-k-H3-D32-top5": _case("bf16", 3, 32, 5, compare="scores", k_dtype="fp32"),
+    "ties-zero-fp32-top5": _case("fp32", 2, 16, 5, values="zero"),
+    "ties-int-fp32-top4-small": _case("fp32", 3, 16, 4, values="int", config=SMALL),
+    "ties-int-bf16-top6": _case("bf16", 4, 32, 6, values="int"),
+    "no-entries-width2": _case("fp32", 2, 16, 4, max_len=8, padding=0, view="no-entries"),
+    "fp32-H3-D32-top5-stack": _case("fp32", 3, 32, 5, view="stack", config=SMALL),
+}
+
+
+def _make(c, seed):
+    """(q, k, w, candidates, layout) of one case, fresh random values from ``seed``."""
+    from dsv4attn.ops.index_sets import Rows, Stack, VisibleCompressed
+    import dsv4attn
+
+    gen = torch.Generator().manual_seed(seed)
+    if c["view"] == "no-entries":            # max_seqlen 8 but one 3-row document: capacity 0, width 2
+        pack = dsv4attn.pack_batch(torch.tensor([0, 3], dtype=torch.int32), 3, 8)
+    else:
+        # Always a length-1, empty, < ratio, == ratio and ratio + 1 document, plus random ones and a long one.
+        lengths = random_lengths(gen, 4, c["max_len"], must=(1, 0, 3, 4, 5, c["max_len"] + 30))
+        pack = build_pack(lengths, c["padding"])
+    lay = pack.compressed(4)
+    T, H, Di = pack.total_rows, c["H"], c["Di"]
+    dt = DTYPES[c["dtype"]]
+    k_dt = DTYPES[c["k_dtype"]] if c["k_dtype"] else dt
+    n_keys = lay.capacity
+    candidates = VisibleCompressed(lay, T)
+    if c["view"] == "offset":
+        candidates, n_keys = VisibleCompressed(lay, T, offset=11), lay.capacity + 11
+    elif c["view"] == "rows-table":
+        # A context-parallel style view: rows 6.. of the batch, entries mapped through an increasing table with
+        # gaps (gathered rows of several ranks), then shifted past 7 raw key rows.
+        gaps = torch.randint(1, 4, (lay.capacity,), generator=gen)
+        table = gaps.cumsum(0) - 1
+        T = T - 6
+        candidates = Rows(VisibleCompressed(lay, pack.total_rows), 6, T, shift=7, table=table)
+        n_keys = int(table[-1]) + 8
+    elif c["view"] == "stack":
+        # A head-tail context-parallel rank: two separate row ranges of the batch, stacked, through one table.
+        table = torch.randint(1, 4, (lay.capacity,), generator=gen).cumsum(0) - 1
+        a, b = T // 3, T // 2
+        base = VisibleCompressed(lay, pack.total_rows)
+        candidates = Stack(Rows(base, 0, a, table=table), Rows(base, b, T - b, table=table))
+        T, n_keys = a + T - b, int(table[-1]) + 1
+    if c["values"] == "randn":
+        q = torch.randn(T, H, Di, generator=gen, dtype=torch.float64).to(dt)
+        k = torch.randn(n_keys, Di, generator=gen, dtype=torch.float64).to(k_dt)
+        w = torch.randn(T, H, generator=gen, dtype=torch.float64).float()
+    elif c["values"] == "zero":              # every dot product negative: all scores exactly 0
+        q = torch.ones(T, H, Di, dtype=dt)
+        k = (-torch.rand(n_keys, Di, generator=gen) - 0.1).to(k_dt)
+        w = torch.randn(T, H, generator=gen)        # signed: ReLU(.) * w gives +0.0 and -0.0, which tie
+    else:                                    # exact scores with many equal values: keys repeat with period 3
+        patterns = torch.randint(-2, 3, (3, Di), generator=gen).float()
+        k = patterns[torch.arange(n_keys) % 3].to(k_dt)
+        q = torch.randint(-2, 3, (T, H, Di), generator=gen).to(dt)
+        sign = torch.randint(0, 2, (T, H), generator=gen).float() * 2 - 1
+        w = sign * 2.0 ** torch.randint(-2, 2, (T, H), generator=gen).float()
+    return q, k, w, candidates, lay
+
+
+def _chosen_scores(q, k, w, chosen):
+    """(T, K) float64 scores of the chosen rows of ``k`` (from the inputs as given), NaN at -1 slots."""
+    parts = []
+    for s in range(0, chosen.shape[0], 512):                                # bounded memory at Flash sizes
+        rows = k.double()[chosen[s:s + 512].long().clamp(min=0)]               # (c, K, Di)
+        dots = torch.einsum("thd,tkd->thk", q[s:s + 512].double(), rows)
+        parts.append((torch.relu(dots) * w[s:s + 512].double()[..., None]).sum(1))
+    scores = torch.cat(parts) if parts else torch.zeros(chosen.shape, dtype=torch.float64, device=chosen.device)
+    return scores.masked_fill(chosen < 0, float("nan"))
+
+
+def _judge(c, q, k, w, candidates, got, want):
+    cand = candidates.materialize()
+    in_set = all(set(r[r >= 0].tolist()) <= set(s[s >= 0].tolist()) for r, s in zip(got, cand))
+    distinct = all(len(set(r[r >= 0].tolist())) == int((r >= 0).sum()) for r in got)
+    packed_left = bool(((got >= 0).int().diff(dim=1) <= 0).all()) if got.shape[1] > 1 else True
+    result = dict(shape_ok=got.shape == want.shape and got.dtype == torch.int32, in_set=in_set, distinct=distinct,
+                  packed_left=packed_left, same_pattern=bool(torch.equal(got >= 0, want >= 0)),
+                  mismatches=int((got != want).sum()), equal=bool(torch.equal(got, want)))
+    if c["values"] != "randn" and want.shape[1] > 1:
+        # Adjacent chosen slots with equal scores: the tie cases must really order ties (by the lower index).
+        s_want = _chosen_scores(q, k, w, want)
+        result["tied_pairs"] = int((s_want[:, 1:] == s_want[:, :-1]).sum())
+    if c["compare"] == "scores" and got.numel():
+        s_got, s_want = _chosen_scores(q, k, w, got), _chosen_scores(q, k, w, want)
+        row_max = s_want.nan_to_num(0.0).abs().amax(1, keepdim=True).clamp(min=1e-30)
+        # Sort both descending (NaN slots last) and compare the i-th best: near-ties may be swapped.
+        a = s_got.nan_to_num(float("-inf")).sort(1, descending=True).values
+        b = s_want.nan_to_num(float("-inf")).sort(1, descending=True).values
+        both = torch.isfinite(a) & torch.isfinite(b)
+        result["score_rel_err"] = float(((a - b).abs() / row_max)[both].max()) if both.any() else 0.0
+        # The kernel's own order must be best first, up to the same noise.
+        step = (s_got[:, 1:] - s_got[:, :-1]) / row_max
+        result["order_rel_err"] = float(step.nan_to_num(0.0).clamp(min=0).max()) if step.numel() else 0.0
+    return result
+
+
+def _worker() -> None:
+    """Runs in the subprocess (TRITON_INTERPRET=1 already set): every case, printed as one JSON object."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from dsv4attn import backend
+    from dsv4attn.ops import Explicit, indexer_topk
+    from dsv4attn.ops.indexer import triton as ix_triton
+    from dsv4attn.ops.indexer.reference import indexer_topk_reference
+
+    results = {}
+    for seed, (case_id, c) in enumerate(CASES.items()):
+        q, k, w, candidates, _ = _make(c, 1000 + seed)
+        got = ix_triton.indexer_topk_triton(q, k, w, candidates, c["topk"], config=c["config"], budget=c["budget"])
+        want = indexer_topk_reference(q, k, w, candidates, c["topk"])
+        results[case_id] = _judge(c, q, k, w, candidates, got, want)
+
+    # Plumbing: registration, dispatch through the public op, determinism, and the documented fallbacks.
+    c = CASES["fp32-H3-D32-top5"]
+    q, k, w, candidates, lay = _make(c, 7)
+    direct = ix_triton.indexer_topk_triton(q, k, w, candidates, 5)
+    backend.set_backend("triton")
+    try:
+        public = indexer_topk(q, k, w, lay, 5)
+    finally:
+        backend.set_backend(None)
+    q64, k64, w64 = q.double(), k.double(), w.double()
+    explicit = Explicit(candidates.materialize())
+    results["plumbing"] = dict(
+        registered=backend.kernel("indexer_topk") is ix_triton.indexer_topk_triton,
+        public_matches_direct=torch.equal(public, direct),
+        deterministic=torch.equal(direct, ix_triton.indexer_topk_triton(q, k, w, candidates, 5)),
+        fp64_fallback_is_reference=torch.equal(ix_triton.indexer_topk_triton(q64, k64, w64, candidates, 5),
+                                               indexer_topk_reference(q64, k64, w64, candidates, 5)),
+        explicit_set_falls_back=torch.equal(ix_triton.indexer_topk_triton(q, k, w, explicit, 5),
+                                            indexer_topk_reference(q, k, w, explicit, 5)),
+    )
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = "from tests.ops.test_indexer_triton import _worker; _worker()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_kernel_matches_reference(interpreted, case_id):
+    m = interpreted[case_id]
+    assert m["shape_ok"], f"{case_id}: shape or dtype differs from the reference"
+    assert m["in_set"] and m["distinct"], f"{case_id}: selected a row outside the candidates, or twice"
+    assert m["packed_left"] and m["same_pattern"], f"{case_id}: -1 slots differ from the reference"
+    if CASES[case_id]["values"] != "randn":
+        assert m["tied_pairs"] > 0, f"{case_id}: no tied scores among the chosen entries, the case tests nothing"
+    if CASES[case_id]["compare"] == "exact":
+        assert m["equal"], f"{case_id}: {m['mismatches']} indices differ from the reference"
+    else:
+        assert m["score_rel_err"] <= SCORE_RTOL, f"{case_id}: chosen scores differ by {m['score_rel_err']:.2e}"
+        assert m["order_rel_err"] <= SCORE_RTOL, f"{case_id}: not best first ({m['order_rel_err']:.2e})"
+
+
+@pytest.mark.parametrize("check", ["registered", "public_matches_direct", "deterministic",
+                                   "fp64_fallback_is_reference", "explicit_set_falls_back"])
+def test_plumbing(interpreted, check):
+    assert interpreted["plumbing"][check]
+
+
+# ----------------------------------------------------------------------------------------------- CUDA, Flash sizes
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+FLASH_LENGTHS = (3001, 1, 0, 2047, 5, 1536, 1000)       # 7590 real rows, then capacity padding to 8192
+FLASH_T, FLASH_HI, FLASH_DI, FLASH_TOPK = 8192, 64, 128, 512
+# fp32 accumulation over 64 heads x 128 dims in another order: a few 1e-6 of the row maximum, with margin.
+FLASH_SCORE_RTOL = 1e-4
+
+
+def _flash_inputs(dtype, values="randn", seed=0):
+    from dsv4attn.ops.index_sets import VisibleCompressed
+    pack = build_pack(FLASH_LENGTHS, FLASH_T - sum(FLASH_LENGTHS))
+    pack = _to_cuda(pack)
+    lay = pack.compressed(4)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    T, H, Di = FLASH_T, FLASH_HI, FLASH_DI
+    if values == "randn":
+        q = torch.randn(T, H, Di, device="cuda", generator=gen).to(dtype)
+        k = torch.randn(lay.capacity, Di, device="cuda", generator=gen).to(dtype)
+        w = torch.randn(T, H, device="cuda", generator=gen) * (H * Di) ** -0.5
+    else:   # integer q, k and power-of-two weights: every score exact in fp32 in any summation order
+        q = torch.randint(-2, 3, (T, H, Di), device="cuda", generator=gen).to(dtype)
+        patterns = torch.randint(-2, 3, (5, Di), device="cuda", generator=gen)
+        k = patterns[torch.arange(lay.capacity, device="cuda") % 5].to(dtype)
+        w = 2.0 ** torch.randint(-3, 1, (T, H), device="cuda", generator=gen).float()
+    return q, k, w, VisibleCompressed(lay, T), lay
+
+
+def _to_cuda(pack):
+    import dsv4attn
+    return dsv4attn.pack_batch(pack.cu_seqlens.cuda(), pack.total_rows, pack.max_seqlen)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_cuda_flash_sizes_scores_match_reference(dtype):
+    from dsv4attn.ops.indexer.reference import indexer_topk_reference
+    from dsv4attn.ops.indexer.triton import indexer_topk_triton
+    q, k, w, candidates, _ = _flash_inputs(DTYPES[dtype])
+    got = indexer_topk_triton(q, k, w, candidates, FLASH_TOPK)
+    want = indexer_topk_reference(q, k, w, candidates, FLASH_TOPK)
+    assert got.shape == want.shape == (FLASH_T, FLASH_TOPK) and got.dtype == torch.int32
+    assert torch.equal(got >= 0, want >= 0), "-1 slots differ from the reference"
+    s_got, s_want = (_chosen_scores(q, k, w, x).nan_to_num(float("-inf")) for x in (got, want))
+    row_max = s_want[torch.isfinite(s_want)].abs().max()
+    a, b = s_got.sort(1, descending=True).values, s_want.sort(1, descending=True).values
+    both = torch.isfinite(a) & torch.isfinite(b)
+    err = ((a - b).abs()[both].max() / row_max).item()
+    assert err <= FLASH_SCORE_RTOL, f"chosen scores differ by {err:.2e} of the largest score"
+    # Within each row the chosen set equals the reference's except at near-ties; report how often that is.
+    differs = (got.sort(1).values != want.sort(1).values).any(1).float().mean().item()
+    assert differs <= 0.05, f"{differs:.1%} of rows chose a different set"
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_cuda_flash_sizes_exact_scores_equal_indices(dtype):
+    """Exactly representable inputs: every score is exact, so the indices (ties included) must be identical."""
+    from dsv4attn.ops.indexer.reference import indexer_topk_reference
+    from dsv4attn.ops.indexer.triton import indexer_topk_triton
+    q, k, w, candidates, _ = _flash_inputs(DTYPES[dtype], values="int", seed=1)
+    got = indexer_topk_triton(q, k, w, candidates, FLASH_TOPK)
+    want = indexer_topk_reference(q, k, w, candidates, FLASH_TOPK)
+    assert torch.equal(got, want), f"{int((got != want).any(1).sum())} rows differ"
+
+
+@needs_cuda
+def test_cuda_public_op_uses_triton_and_is_deterministic():
+    from dsv4attn import backend
+    from dsv4attn.ops import indexer_topk
+    from dsv4attn.ops.indexer.triton import indexer_topk_triton
+    q, k, w, candidates, lay = _flash_inputs(torch.bfloat16, seed=2)
+    assert backend.choose("indexer_topk", q.device) == "triton"
+    first = indexer_topk(q, k, w, lay, FLASH_TOPK)
+    assert torch.equal(first, indexer_topk_triton(q, k, w, candidates, FLASH_TOPK))
+    assert torch.equal(first, indexer_topk(q, k, w, lay, FLASH_TOPK))
