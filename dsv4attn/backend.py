@@ -18,8 +18,11 @@ _forced: str | None = os.environ.get("DSV4ATTN_BACKEND") or None
 _kernels: dict[str, Callable] = {}
 
 
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None   # once, at import: torch.compile traces choose()
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_FOUND
 
 
 def set_backend(name: str | None) -> None:

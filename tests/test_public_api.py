@@ -29,8 +29,12 @@ def test_layer_signature():
 
 def test_sparse_attention_signature():
     params = inspect.signature(dsv4attn.ops.sparse_attention).parameters
-    assert list(params) == ["q", "kv", "indices", "attn_sink", "softmax_scale"]
+    assert list(params)[:5] == ["q", "kv", "indices", "attn_sink", "softmax_scale"]
     assert params["softmax_scale"].default is None
+    # Additions are keyword-only, so positional calls keep their meaning.
+    extra = {name: p for name, p in params.items() if name not in list(params)[:5]}
+    assert {name: p.default for name, p in extra.items()} == {"topk_length": None, "deterministic": False}
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra.values())
 
 
 def test_env_report_runs():

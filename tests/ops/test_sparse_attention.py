@@ -305,3 +305,146 @@ def test_empty_row_with_minus_inf_sink_gives_zero_not_nan():
     for g in (q.grad, kv.grad, sink.grad):
         assert torch.isfinite(g).all()
     assert sink.grad[0] == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# topk_length: row t uses only its first topk_length[t] slots (FlashMLA's convention); the rest count as -1.
+
+def _first_slots(idx, lengths):
+    return torch.where(torch.arange(idx.shape[1])[None, :] < lengths[:, None].long(), idx, -1).to(idx.dtype)
+
+
+@pytest.mark.parametrize("lengths", ["random", "zero", "full"])
+@pytest.mark.parametrize("indices", ["tensor", "index-set"])
+def test_topk_length_equals_masked_indices(lengths, indices):
+    q, kv, idx, sink = make_case(13, K=6)
+    gen = torch.Generator().manual_seed(13)
+    T, K = idx.shape
+    length = {"random": torch.randint(0, K + 1, (T,), generator=gen),
+              "zero": torch.zeros(T, dtype=torch.int64),
+              "full": torch.full((T,), K)}[lengths].to(torch.int32)
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    arg = idx if indices == "tensor" else Concat(dsv4attn.ops.Explicit(idx))
+    fn = lambda q_, kv_, s_: sparse_attention(q_, kv_, arg, s_, topk_length=length)       # noqa: E731
+    got = run_with_grads(fn, q, kv, sink, grad_out)
+    masked = run_with_grads(ops_fn(_first_slots(idx, length)), q, kv, sink, grad_out)
+    ref = run_with_grads(oracle_fn(_first_slots(idx, length), q.shape[-1] ** -0.5), q, kv, sink, grad_out)
+    for name, a, b, c in zip(("out", "lse", "dq", "dkv", "dsink"), got, masked, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{name} vs masked indices: {m}")
+        c = torch.zeros_like(a) if c is None else c        # the oracle never touches kv when every row is empty
+        torch.testing.assert_close(a, c, **FP64, msg=lambda m: f"{name} vs oracle: {m}")
+    if lengths == "zero":
+        assert torch.equal(got[0], torch.zeros_like(got[0])) and torch.isneginf(got[1]).all()
+
+
+def test_topk_length_int64_and_gradcheck():
+    q, kv, idx, sink = make_case(14, T=5, H=2, D=4, N=7, K=3, empty_rows=())
+    length = torch.tensor([0, 1, 2, 3, 2], dtype=torch.int64)
+    inputs = tuple(t.detach().clone().requires_grad_(True) for t in (q, kv, sink))
+    assert torch.autograd.gradcheck(lambda a, b, c: sparse_attention(a, b, idx, c, topk_length=length)[0], inputs,
+                                    eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+TOPK_LENGTH_BAD = {
+    "float": (lambda T, K: torch.ones(T), r"topk_length must have dtype"),
+    "2d": (lambda T, K: torch.ones(T, 1, dtype=torch.int32), r"topk_length must have shape \(12,\)"),
+    "wrong_rows": (lambda T, K: torch.ones(T - 1, dtype=torch.int32), r"topk_length must have shape \(12,\)"),
+    "meta_device": (lambda T, K: torch.ones(T, dtype=torch.int32, device="meta"), r"topk_length must be on cpu"),
+    "negative": (lambda T, K: torch.full((T,), -1, dtype=torch.int32),
+                 r"topk_length must hold slot counts in \[0, 6\]"),
+    "above_k": (lambda T, K: torch.full((T,), K + 1, dtype=torch.int32), r"got values in \[7, 7\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(TOPK_LENGTH_BAD))
+def test_topk_length_bad_input(case):
+    make, pattern = TOPK_LENGTH_BAD[case]
+    q, kv, idx, sink = make_case(15)
+    with pytest.raises(ValueError, match=pattern):
+        sparse_attention(q, kv, idx, sink, topk_length=make(*idx.shape))
+
+
+def test_topk_length_range_is_a_value_check():
+    """Out-of-range lengths need a device read to detect: with value checks off they just clamp (no sync)."""
+    q, kv, idx, sink = make_case(16)
+    too_long = torch.full((idx.shape[0],), idx.shape[1] + 3, dtype=torch.int32)
+    with dsv4attn.checks.checks(False):
+        out, lse = sparse_attention(q, kv, idx, sink, topk_length=too_long)
+    want = sparse_attention(q, kv, idx, sink)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+def test_bad_deterministic_and_indices_types():
+    q, kv, idx, sink = make_case(17)
+    with pytest.raises(TypeError, match=r"deterministic must be a bool"):
+        sparse_attention(q, kv, idx, sink, deterministic=1)
+    with pytest.raises(TypeError, match=r"indices must be a \(T, K\) int32 torch.Tensor or an IndexSet"):
+        sparse_attention(q, kv, idx.tolist(), sink)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Determinism: the reference is deterministic in both modes (fixed-order sums only), so the flag changes nothing.
+
+@pytest.mark.parametrize("indices", ["tensor", "index-set"])
+def test_reference_deterministic_flag_is_bitwise_identical(indices):
+    pack, q, kv, sink, index_set = ragged_sets(18)
+    q, kv, sink = q.float(), kv.float(), sink.float()
+    arg = index_set.materialize().to(torch.int32) if indices == "tensor" else index_set
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    runs = [run_with_grads(lambda q_, kv_, s_: sparse_attention(q_, kv_, arg, s_, deterministic=det), q, kv, sink,
+                           grad_out) for det in (True, True, False)]
+    for i, name in enumerate(("out", "lse", "dq", "dkv", "dsink")):
+        assert torch.equal(runs[0][i], runs[1][i]) and torch.equal(runs[0][i], runs[2][i]), name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The registered op: torch.compile(fullgraph=True) and opcheck (reference backend on the CPU).
+
+def _compile_inputs(seed, dtype=torch.float32):
+    q, kv, idx, sink = make_case(seed, T=16, H=4, D=16, N=20, K=8, empty_rows=(3,))
+    length = torch.randint(0, 9, (16,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    return q.to(dtype), kv.to(dtype), idx, sink.float(), length
+
+
+@pytest.mark.parametrize("with_length", [False, True], ids=["indices", "indices+topk_length"])
+def test_torch_compile_fullgraph_matches_eager(with_length):
+    q, kv, idx, sink, length = _compile_inputs(19)
+    length = length if with_length else None
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+
+    def step(q_, kv_, s_):
+        out, lse = sparse_attention(q_, kv_, idx, s_, topk_length=length, deterministic=True)
+        return out, lse
+
+    torch._dynamo.reset()
+    eager = run_with_grads(step, q, kv, sink, grad_out)
+    compiled = run_with_grads(torch.compile(step, fullgraph=True), q, kv, sink, grad_out)
+    # Same op, same backend, same inputs: bitwise equal (the compiled graph only adds the cast of grad_out).
+    for name, a, b in zip(("out", "lse", "dq", "dkv", "dsink"), eager, compiled):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_torch_compile_with_value_checks_on_has_no_graph_break():
+    """Value checks (which sync) are skipped while compiling, so fullgraph=True does not break on them."""
+    q, kv, idx, sink, length = _compile_inputs(20)
+    with dsv4attn.checks.checks(True):
+        torch._dynamo.reset()
+        fn = torch.compile(lambda a, b, c, d, e: sparse_attention(a, b, c, d, topk_length=e), fullgraph=True)
+        out, lse = fn(q, kv, idx, sink, length)
+    want = sparse_attention(q, kv, idx, sink, topk_length=length)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+@pytest.mark.parametrize("with_length", [False, True], ids=["indices", "indices+topk_length"])
+def test_opcheck(with_length):
+    from dsv4attn.ops.sparse_attention.op import sparse_attention_backward_op, sparse_attention_op
+
+    q, kv, idx, sink, length = _compile_inputs(21, dtype=torch.float64)
+    sink = sink.double()
+    length = length if with_length else None
+    q, kv, sink = (t.requires_grad_(True) for t in (q, kv, sink))
+    torch.library.opcheck(sparse_attention_op, (q, kv, idx, sink, 0.3, length, False, "reference"))
+    _, lse = sparse_attention_op(q, kv, idx, sink, 0.3, length, False, "reference")
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    torch.library.opcheck(sparse_attention_backward_op,
+                          (grad_out, q.detach(), kv.detach(), idx, sink.detach(), lse, 0.3, length, True, "reference"))

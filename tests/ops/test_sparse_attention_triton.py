@@ -8,6 +8,11 @@ Bound (STYLE.md): kernel error <= 2x (out, lse) / 3x (dq, dkv, d_sink) the error
 same low dtype, both against the float64 reference on the same (rounded) inputs; fp32 must be within 1e-5 of the
 largest magnitude. A small floor (1e-6 of the largest magnitude) absorbs fp32 summation-order noise where the
 reference's own error is ~0 (lse, exactly representable cases).
+
+Also checked here: ``deterministic=True`` (atomic-free backward: bitwise repeatable, equal to the atomic backward
+up to fp32 summation order, within the same bounds against float64; with several row chunks and head blocks) and
+``topk_length`` (identical to masking the indices by hand). The same checks at V4 shapes on a GPU are in
+``test_sparse_attention_gpu.py``.
 """
 from __future__ import annotations
 
@@ -43,6 +48,15 @@ CASES.update({
     "fp32-H2-K70-multiblock-int32": _case("fp32", 2, K=70, N=90, int32=True),
     "fp32-H5-D128": _case("fp32", 5, D=128, K=40),
 })
+# Deterministic backward: (case, rows per buffer chunk or None for the default single chunk). H = 70 gives two head
+# blocks of 64, each writing its own buffer plane.
+DET_CASES = {
+    "bf16-H5": ("bf16-H5", None),
+    "fp32-H2-K70-multiblock-int32-chunks-of-3": ("fp32-H2-K70-multiblock-int32", 3),
+    "bf16-H70-two-head-blocks-chunks-of-7": ("bf16-H70", 7),
+}
+CASES["bf16-H70"] = _case("bf16", 70, T=12, K=20, N=30)
+TOPK_CASES = ("bf16-H5", "fp32-H2-K70-multiblock-int32")
 
 
 def _inputs(c, seed):
@@ -71,6 +85,20 @@ def _run(fn, q, kv, idx, sink, grad_out):
     out, lse = fn(q, kv, Explicit(idx), sink, D ** -0.5)
     out.backward(grad_out.to(out.dtype))
     return [x.detach().to(torch.float64) for x in (out, lse, q.grad, kv.grad, sink.grad)]
+
+
+def _run_public(q, kv, idx, sink, grad_out, **kwargs):
+    from dsv4attn.ops import sparse_attention
+    q, kv, sink = (x.detach().clone().requires_grad_(True) for x in (q, kv, sink))
+    out, lse = sparse_attention(q, kv, idx, sink, **kwargs)
+    out.backward(grad_out.to(out.dtype))
+    return [x.detach().to(torch.float64) for x in (out, lse, q.grad, kv.grad, sink.grad)]
+
+
+def _lengths(T, K, seed):
+    length = torch.randint(0, K + 1, (T,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    length[0], length[1] = 0, K                                       # no slot at all; every slot
+    return length
 
 
 def _compare(kernel, ref_low, exact):
@@ -104,6 +132,50 @@ def _worker() -> None:
         exact = _run(sparse_attention_reference, q.double(), kv.double(), idx, ref_sink.double(), grad_out.double())
         results[case_id] = _compare(kernel, ref_low, exact)
 
+    backend.set_backend("triton")
+    results["det"] = {}
+    for det_id, (case_id, rows) in DET_CASES.items():
+        c = CASES[case_id]
+        q, kv, idx, sink, grad_out = _inputs(c, list(CASES).index(case_id))
+        ref_sink = sink.masked_fill(sink == -math.inf, -1e30)
+        saved = sa_triton.DETERMINISTIC_BUFFER_ELEMENTS
+        if rows is not None:
+            num_hb = -(-c["H"] // sa_triton._block_h(c["H"]))
+            sa_triton.DETERMINISTIC_BUFFER_ELEMENTS = rows * num_hb * c["K"] * c["D"]
+        first = _run_public(q, kv, idx, sink, grad_out, deterministic=True)
+        second = _run_public(q, kv, idx, sink, grad_out, deterministic=True)
+        # Launcher level, fp32 dkv before the cast: atomic vs deterministic differ only in summation order.
+        scale = c["D"] ** -0.5
+        idx32 = idx.to(torch.int32)
+        lse = first[1].float()                                        # fp32 lse, exactly (was widened)
+        atomic = sa_triton._sparse_attn_bwd(q, kv, idx32, sink, None, lse, grad_out, scale)
+        fixed = sa_triton._sparse_attn_bwd(q, kv, idx32, sink, None, lse, grad_out, scale, deterministic=True)
+        sa_triton.DETERMINISTIC_BUFFER_ELEMENTS = saved
+        ref_low = _run(sparse_attention_reference, q, kv, idx, ref_sink, grad_out)
+        exact = _run(sparse_attention_reference, q.double(), kv.double(), idx, ref_sink.double(), grad_out.double())
+        results["det"][det_id] = dict(
+            bitwise_repeatable=all(torch.equal(a, b) for a, b in zip(first, second)),
+            dq_dsink_bitwise_as_atomic=torch.equal(atomic[0], fixed[0]) and torch.equal(atomic[2], fixed[2]),
+            dkv_vs_atomic=(fixed[1] - atomic[1]).abs().max().item(),
+            dkv_magnitude=atomic[1].abs().max().item(),
+            bounds=_compare(first, ref_low, exact),
+        )
+
+    results["topk"] = {}
+    for case_id in TOPK_CASES:
+        q, kv, idx, sink, grad_out = _inputs(CASES[case_id], list(CASES).index(case_id))
+        length = _lengths(idx.shape[0], idx.shape[1], 7)
+        masked = torch.where(torch.arange(idx.shape[1])[None, :] < length[:, None], idx, -1)
+        with_length = _run_public(q, kv, idx, sink, grad_out, topk_length=length)
+        by_hand = _run_public(q, kv, masked, sink, grad_out)
+        ref_low = _run(sparse_attention_reference, q, kv, masked, sink, grad_out)
+        exact = _run(sparse_attention_reference, q.double(), kv.double(), masked, sink.double(), grad_out.double())
+        results["topk"][case_id] = dict(
+            equals_masked_indices=all(torch.equal(a, b) for a, b in zip(with_length, by_hand)),
+            bounds=_compare(with_length, ref_low, exact),
+        )
+    backend.set_backend(None)
+
     # Plumbing: registration, dispatch through the public op, and the documented fp64 fallback.
     case_id = "bf16-H5"
     q, kv, idx, sink, grad_out = _inputs(CASES[case_id], list(CASES).index(case_id))
@@ -114,6 +186,35 @@ def _worker() -> None:
     q64, kv64, s64, g64 = q.double(), kv.double(), sink.double(), grad_out.double()
     fb = _run(sa_triton.sparse_attention_triton, q64, kv64, idx, s64, g64)
     ref = _run(sparse_attention_reference, q64, kv64, idx, s64, g64)
+    # A lazy index set (window + every visible compressed entry) through the public op on the Triton backend,
+    # materialised in several chunks of query rows (tiny chunk budget): equals the one-shot tensor path bitwise.
+    from dsv4attn.ops import index_sets
+    from tests.packs import build_pack
+    pack = build_pack([5, 0, 37, 3, 60], padding=3)
+    lay = pack.compressed(4)
+    T, H, D = pack.total_rows, 4, 64
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(T, H, D, generator=gen)
+    kv = torch.randn(T + lay.capacity, D, generator=gen)
+    sink, g = torch.randn(H, generator=gen), torch.randn(T, H, D, generator=gen)
+    lazy = index_sets.Concat(index_sets.Window(pack, 8), index_sets.VisibleCompressed(lay, T, offset=T))
+    backend.set_backend("triton")
+    one_shot = _run_public(q, kv, lazy.materialize().to(torch.int32), sink, g)
+    saved_budget = index_sets.CHUNK_BUDGET["cpu"]
+    index_sets.CHUNK_BUDGET["cpu"] = 7 * lazy.width                   # 7 query rows per chunk
+    try:
+        chunked = _run_public(q, kv, lazy, sink, g)
+    finally:
+        index_sets.CHUNK_BUDGET["cpu"] = saved_budget
+    # Every slot empty and a kv with no rows: zeros, -inf lse, zero gradients (the kernel must not read kv).
+    empty = _run_public(q[:5], kv[:0], torch.full((5, 3), -1, dtype=torch.int32), sink, g[:5])
+    backend.set_backend(None)
+    results["chunked_index_set"] = dict(
+        equals_one_shot=all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(chunked, one_shot)),
+        out_and_lse_bitwise=torch.equal(chunked[0], one_shot[0]) and torch.equal(chunked[1], one_shot[1]),
+        empty_kv_ok=bool((empty[0] == 0).all() and torch.isneginf(empty[1]).all() and (empty[2] == 0).all()
+                         and empty[3].shape == (0, D)),
+    )
     results["plumbing"] = dict(
         registered="sparse_attention" in backend.registered_kernels()
         and backend.kernel("sparse_attention") is sa_triton.sparse_attention_triton,
@@ -134,10 +235,8 @@ def interpreted():
     return json.loads(lines[-1][len("RESULTS "):])
 
 
-@pytest.mark.parametrize("case_id", list(CASES))
-def test_kernel_matches_float64_reference(interpreted, case_id):
-    low_precision = CASES[case_id]["dtype"] != "fp32"
-    for name, m in interpreted[case_id].items():
+def _assert_within_bounds(case_id, measured, low_precision):
+    for name, m in measured.items():
         assert m["same_pattern"], f"{case_id} {name}: NaN/inf pattern differs from the float64 reference"
         if low_precision:
             factor = 3.0 if name in GRADS else 2.0
@@ -149,6 +248,35 @@ def test_kernel_matches_float64_reference(interpreted, case_id):
             f"(reference in low precision: {m['err_ref']:.3e}, magnitude {m['magnitude']:.3e})")
 
 
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_kernel_matches_float64_reference(interpreted, case_id):
+    _assert_within_bounds(case_id, interpreted[case_id], CASES[case_id]["dtype"] != "fp32")
+
+
+@pytest.mark.parametrize("det_id", list(DET_CASES))
+def test_deterministic_backward(interpreted, det_id):
+    m = interpreted["det"][det_id]
+    assert m["bitwise_repeatable"], f"{det_id}: two deterministic runs differ"
+    assert m["dq_dsink_bitwise_as_atomic"], f"{det_id}: dq / d_sink must not depend on the mode"
+    assert m["dkv_vs_atomic"] <= 1e-5 * max(m["dkv_magnitude"], 1e-30), (
+        f"{det_id}: fp32 dkv differs from the atomic backward by {m['dkv_vs_atomic']:.3e} "
+        f"(magnitude {m['dkv_magnitude']:.3e}): more than summation order")
+    case_id = DET_CASES[det_id][0]
+    _assert_within_bounds(det_id, m["bounds"], CASES[case_id]["dtype"] != "fp32")
+
+
+@pytest.mark.parametrize("case_id", TOPK_CASES)
+def test_topk_length(interpreted, case_id):
+    m = interpreted["topk"][case_id]
+    assert m["equals_masked_indices"], f"{case_id}: topk_length differs from masking the indices by hand"
+    _assert_within_bounds(case_id, m["bounds"], CASES[case_id]["dtype"] != "fp32")
+
+
 @pytest.mark.parametrize("check", ["registered", "public_matches_direct", "fp64_fallback_is_reference"])
 def test_plumbing(interpreted, check):
     assert interpreted["plumbing"][check]
+
+
+@pytest.mark.parametrize("check", ["equals_one_shot", "out_and_lse_bitwise", "empty_kv_ok"])
+def test_index_set_chunks_and_empty_kv(interpreted, check):
+    assert interpreted["chunked_index_set"][check], interpreted["chunked_index_set"]

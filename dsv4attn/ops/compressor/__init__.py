@@ -36,4 +36,9 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Ten
         return compress_pool_reference(kv, gate, position_bias, layout)
 
 
+try:  # registers the Triton kernels with the backend (used on CUDA); CPU-only installs run the reference
+    from . import triton as _triton_kernels  # noqa: F401
+except ImportError:
+    _triton_kernels = None
+
 __all__ = ["compress_pool", "compress_pool_reference"]

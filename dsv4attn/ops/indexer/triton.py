@@ -63,7 +63,7 @@ def _dot(a, b, DOT_MODE: tl.constexpr):
 @triton.jit
 def _indexer_keys_kernel(
     Q, K, W, FIRST, VISIBLE, TABLE, KEYS,
-    rows_c, H, Di, width, shift,
+    rows_c, H: tl.constexpr, Di, width, shift,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TABLE: tl.constexpr,
     DOT_MODE: tl.constexpr,
 ):

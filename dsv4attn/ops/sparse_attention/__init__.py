@@ -4,14 +4,17 @@ from __future__ import annotations
 import torch
 
 from ... import backend, checks
-from ..index_sets import IndexSet, as_index_set
+from ..index_sets import IndexSet, chunk_rows
+from .op import limit_slots, sparse_attention_op
 from .reference import sparse_attention_naive, sparse_attention_reference
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet, attn_sink: torch.Tensor,
-                     softmax_scale: float | None = None):
+                     softmax_scale: float | None = None, *, topk_length: torch.Tensor | None = None,
+                     deterministic: bool = False):
     """One softmax per (row, head) over the keys ``indices[t]`` plus the sink logit (spec decision 5).
 
     Args:
@@ -21,33 +24,95 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
             A repeated index counts once per occurrence.
         attn_sink: (H,) per-head sink logit, fp32 (fp64 allowed for float64 checks); value 0, denominator only.
         softmax_scale: defaults to ``D ** -0.5``.
+        topk_length: optional (T,) int32 (int64 accepted) in [0, K]: row t uses only its first ``topk_length[t]``
+            slots, the rest count as ``-1`` (FlashMLA's ``topk_length``).
+        deterministic: the backward gives bitwise-identical dq, dkv, d_attn_sink on every run with the same
+            inputs (no float atomics; the Triton backward then writes per-slot dKV rows and reduces them in a
+            fixed order, somewhat slower). The reference backend is always deterministic.
     Returns:
         out: (T, H, D) in ``q.dtype``; rows without a valid index give 0.
         lse: (T, H) fp32 (fp64 for fp64 inputs), natural log, **excluding** the sink; ``-inf`` for empty rows.
         The full softmax denominator is ``logaddexp(lse, attn_sink)``.
+
+    Tensor indices run as the registered op ``torch.ops.dsv4attn.sparse_attention`` (works under
+    ``torch.compile(fullgraph=True)`` and CUDA-graph capture; value checks, which read device values, are skipped
+    while compiling or capturing). :class:`IndexSet` inputs run eagerly.
     """
     checks.check_tensor("q", q, dim=3, dtypes=FLOATS)
     T, H, D = q.shape
     checks.check_tensor("kv", kv, shape=(None, D), dtypes=(q.dtype,), device=q.device)
     checks.check_tensor("attn_sink", attn_sink, shape=(H,), dtypes=(torch.float32, torch.float64), device=q.device)
     if isinstance(indices, torch.Tensor):
-        checks.check_tensor("indices", indices, shape=(T, None), dtypes=(torch.int32, torch.int64), device=q.device)
-        checks.check_index_range("indices", indices, kv.shape[0])
-    elif indices.total_rows != T:
-        raise ValueError(f"indices must cover the {T} rows of q, got an index set of {indices.total_rows} rows")
-    checks.check_finite("q", q)
-    checks.check_finite("kv", kv)
-    checks.check_finite("attn_sink", attn_sink, allow_inf=True)
+        checks.check_tensor("indices", indices, shape=(T, None), dtypes=INDEX_DTYPES, device=q.device)
+        width = indices.shape[1]
+    elif isinstance(indices, IndexSet):
+        if indices.total_rows != T:
+            raise ValueError(f"indices must cover the {T} rows of q, got an index set of {indices.total_rows} rows")
+        width = indices.width
+    else:
+        raise TypeError(f"indices must be a (T, K) int32 torch.Tensor or an IndexSet, got {type(indices).__name__}")
+    if topk_length is not None:
+        checks.check_tensor("topk_length", topk_length, shape=(T,), dtypes=INDEX_DTYPES, device=q.device)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if _may_read_device_values(q.device):
+        if isinstance(indices, torch.Tensor):
+            checks.check_index_range("indices", indices, kv.shape[0])
+        if topk_length is not None:
+            _check_topk_length_range(topk_length, width)
+        checks.check_finite("q", q)
+        checks.check_finite("kv", kv)
+        checks.check_finite("attn_sink", attn_sink, allow_inf=True)
     scale = checks.check_scale(softmax_scale, D)
-    index_set = as_index_set(indices)
+
+    impl = backend.choose("sparse_attention", q.device)
+    if impl == "triton" and not _triton_kernels.kernel_supports(q):
+        impl = "reference"          # float64 and other head dims: the kernels have no such path
     with backend.exact_math(q.device):
-        if backend.choose("sparse_attention", q.device) == "triton":
-            return backend.kernel("sparse_attention")(q, kv, index_set, attn_sink, scale)
-        return sparse_attention_reference(q, kv, index_set, attn_sink, scale)
+        if isinstance(indices, IndexSet):
+            index_set = indices if topk_length is None else _FirstSlots(indices, topk_length)
+            if impl == "reference":                 # chunk by chunk: never materialises (T, K) indices
+                return sparse_attention_reference(q, kv, index_set, attn_sink, scale)
+            # The kernels take (rows, K) tensors: materialise them one chunk of query rows at a time, so that a
+            # wide set (every visible compressed entry of a long document) never becomes a (T, K) tensor.
+            parts = [sparse_attention_op(q[s:e], kv, index_set.rows(s, e).to(torch.int32), attn_sink, scale, None,
+                                         deterministic, impl)
+                     for s, e in chunk_rows(T, width, device=q.device)]
+            if len(parts) == 1:
+                return parts[0]
+            return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+        return sparse_attention_op(q, kv, indices, attn_sink, scale, topk_length, deterministic, impl)
+
+
+def _may_read_device_values(device: torch.device) -> bool:
+    """Value checks need a device->host sync: never inside a compiled graph or a CUDA-graph capture."""
+    if not checks.checks_enabled() or torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _check_topk_length_range(topk_length: torch.Tensor, width: int) -> None:
+    if topk_length.numel() == 0:
+        return
+    lo, hi = int(topk_length.min()), int(topk_length.max())
+    if lo < 0 or hi > width:
+        raise ValueError(f"topk_length must hold slot counts in [0, {width}] (K = indices.shape[1]), "
+                         f"got values in [{lo}, {hi}]")
+
+
+class _FirstSlots(IndexSet):
+    """``base`` with slots ``k >= lengths[t]`` of row t empty: ``topk_length`` applied to a lazy index set."""
+
+    def __init__(self, base: IndexSet, lengths: torch.Tensor):
+        self.base, self.lengths = base, lengths
+        self.width, self.total_rows = base.width, base.total_rows
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        return limit_slots(self.base.rows(start, end), self.lengths[start:end])
 
 
 try:  # registers the Triton kernel with the backend (used on CUDA); CPU-only installs run the reference
-    from . import triton as _triton_kernels  # noqa: F401
+    from . import triton as _triton_kernels
 except ImportError:
     _triton_kernels = None
 

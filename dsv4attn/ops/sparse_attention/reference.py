@@ -12,6 +12,12 @@ Forward and backward run over query chunks, so memory is O(T * K * D / chunks) t
 and outputs; the backward recomputes the probabilities from the saved ``lse`` (the kernels do the same):
 ``dz = p * (dO.v - Delta)``, ``Delta = dO.out = sum_k p_k dO.v_k`` (in fp32), ``dq = scale * dz @ K``, ``dkv[k] += scale * dz^T q + p^T dO``,
 ``d attn_sink[h] = -sum_t p_sink(t, h) * Delta(t, h)``. ``lse`` is not differentiable.
+
+Always deterministic: every result is written once or summed in a fixed order. The dKV scatter is the only sum
+over an index: on the CPU ``index_add_`` adds sequentially; on CUDA (where ``index_add_`` uses float atomics) it is
+``index_put_(accumulate=True)``, which sorts the indices and sums each key's rows in order (PyTorch lists it as
+deterministic on CUDA). No step reads a device value on the host, so the functions below can run inside a CUDA
+graph or a compiled op.
 """
 from __future__ import annotations
 
@@ -39,21 +45,70 @@ def _denominator(lse, sink):
     return torch.where(denom == float("-inf"), torch.zeros_like(denom), denom)
 
 
+def _scatter_add_rows(dkv: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
+    """``dkv[idx[i]] += rows[i]`` in a fixed order (see the module docstring); ``idx`` has no -1 entries."""
+    if dkv.shape[0] == 0:                       # an empty key table: every slot was empty, nothing to add
+        return
+    if dkv.is_cuda:
+        dkv.index_put_((idx,), rows, accumulate=True)
+    else:
+        dkv.index_add_(0, idx, rows)
+
+
+def reference_forward(q, kv, index_set: IndexSet, attn_sink, scale: float):
+    """out (T, H, D) ``q.dtype``, lse (T, H) fp32 (fp64 for fp64 ``q``); no autograd."""
+    T, H, D = q.shape
+    cd = _compute_dtype(q)
+    out = q.new_empty(q.shape)
+    lse = torch.empty(T, H, dtype=cd, device=q.device)
+    sink = attn_sink.to(cd)
+    for s, e in chunk_rows(T, index_set.width * (H + D), device=q.device):
+        keys, _, scores = _chunk_probs(q[s:e], kv, index_set.rows(s, e), sink, scale, cd)
+        lse_c = torch.logsumexp(scores, dim=-1)                       # -inf for an empty set
+        denom = _denominator(lse_c, sink)
+        p = torch.exp(scores - denom[..., None])
+        out[s:e] = torch.einsum("chk,ckd->chd", p, keys).to(q.dtype)
+        lse[s:e] = lse_c
+    return out, lse
+
+
+def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, scale: float):
+    """dq (T, H, D) ``q.dtype``, dkv (N, D) ``kv.dtype``, d_sink (H,) ``attn_sink.dtype`` from the saved ``lse``."""
+    T, H, D = q.shape
+    cd = _compute_dtype(q)
+    sink = attn_sink.to(cd)
+    lse = lse.to(cd)
+    dq = torch.zeros(T, H, D, dtype=cd, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=cd, device=kv.device)
+    dsink = torch.zeros(H, dtype=cd, device=q.device)
+    if grad_out is None:
+        grad_out = torch.zeros_like(q)
+    for s, e in chunk_rows(T, index_set.width * (H + D), device=q.device):
+        idx = index_set.rows(s, e)
+        keys, valid, scores = _chunk_probs(q[s:e], kv, idx, sink, scale, cd)
+        denom = _denominator(lse[s:e], sink)
+        p = torch.exp(scores - denom[..., None])
+        do = grad_out[s:e].to(cd)
+        dp = torch.einsum("chd,ckd->chk", do, keys)
+        # Delta = dO . out, from the fp32 probabilities rather than the saved (possibly bf16-rounded) out.
+        delta = (p * dp).sum(-1)                                        # (c, H)
+        dz = p * (dp - delta[..., None])
+        dq[s:e] = scale * torch.einsum("chk,ckd->chd", dz, keys)
+        dkeys = scale * torch.einsum("chk,chd->ckd", dz, q[s:e].to(cd)) + torch.einsum("chk,chd->ckd", p, do)
+        # Empty slots add an exact 0 to row 0 instead of being selected out: a boolean selection would need the
+        # number of valid slots on the host (a sync), which CUDA graphs and compiled graphs cannot have.
+        dkeys = dkeys.masked_fill(~valid[..., None], 0.0)
+        _scatter_add_rows(dkv, idx.clamp(min=0).flatten(), dkeys.flatten(0, 1))
+        dsink -= (torch.exp(sink[None, :] - denom) * delta).sum(0)
+    return dq.to(q.dtype), dkv.to(kv.dtype), dsink.to(attn_sink.dtype)
+
+
 class _SparseAttention(torch.autograd.Function):
+    """Autograd for lazy :class:`IndexSet` inputs (tensor indices go through the registered op instead)."""
+
     @staticmethod
     def forward(ctx, q, kv, attn_sink, index_set: IndexSet, scale: float):
-        T, H, D = q.shape
-        cd = _compute_dtype(q)
-        out = torch.empty_like(q)
-        lse = torch.empty(T, H, dtype=cd, device=q.device)
-        sink = attn_sink.to(cd)
-        for s, e in chunk_rows(T, index_set.width * (H + D), device=q.device):
-            keys, _, scores = _chunk_probs(q[s:e], kv, index_set.rows(s, e), sink, scale, cd)
-            lse_c = torch.logsumexp(scores, dim=-1)                       # -inf for an empty set
-            denom = _denominator(lse_c, sink)
-            p = torch.exp(scores - denom[..., None])
-            out[s:e] = torch.einsum("chk,ckd->chd", p, keys).to(q.dtype)
-            lse[s:e] = lse_c
+        out, lse = reference_forward(q, kv, index_set, attn_sink, scale)
         ctx.save_for_backward(q, kv, attn_sink, lse)
         ctx.index_set, ctx.scale = index_set, scale
         ctx.mark_non_differentiable(lse)
@@ -62,30 +117,8 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, kv, attn_sink, lse = ctx.saved_tensors
-        index_set, scale = ctx.index_set, ctx.scale
-        T, H, D = q.shape
-        cd = _compute_dtype(q)
-        sink = attn_sink.to(cd)
-        dq = torch.zeros(T, H, D, dtype=cd, device=q.device)
-        dkv = torch.zeros(kv.shape, dtype=cd, device=kv.device)
-        dsink = torch.zeros(H, dtype=cd, device=q.device)
-        if grad_out is None:
-            grad_out = torch.zeros_like(q)
-        for s, e in chunk_rows(T, index_set.width * (H + D), device=q.device):
-            idx = index_set.rows(s, e)
-            keys, valid, scores = _chunk_probs(q[s:e], kv, idx, sink, scale, cd)
-            denom = _denominator(lse[s:e], sink)
-            p = torch.exp(scores - denom[..., None])
-            do = grad_out[s:e].to(cd)
-            dp = torch.einsum("chd,ckd->chk", do, keys)
-            # Delta = dO . out, from the fp32 probabilities rather than the saved (possibly bf16-rounded) out.
-            delta = (p * dp).sum(-1)                                        # (c, H)
-            dz = p * (dp - delta[..., None])
-            dq[s:e] = scale * torch.einsum("chk,ckd->chd", dz, keys)
-            dkeys = scale * torch.einsum("chk,chd->ckd", dz, q[s:e].to(cd)) + torch.einsum("chk,chd->ckd", p, do)
-            dkv.index_add_(0, idx[valid], dkeys[valid])
-            dsink -= (torch.exp(sink[None, :] - denom) * delta).sum(0)
-        return dq.to(q.dtype), dkv.to(kv.dtype), dsink.to(attn_sink.dtype), None, None
+        dq, dkv, dsink = reference_backward(grad_out, q, kv, ctx.index_set, attn_sink, lse, ctx.scale)
+        return dq, dkv, dsink, None, None
 
 
 def sparse_attention_reference(q: torch.Tensor, kv: torch.Tensor, index_set: IndexSet, attn_sink: torch.Tensor,

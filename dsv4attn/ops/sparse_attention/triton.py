@@ -17,6 +17,12 @@ Backward (first version): a pre-pass kernel computes Delta = dO.out = sum_k p_k 
 reduction in PyTorch, and the main kernel recomputes p from the saved lse, forms ``dz = p * (dO.v - Delta)``,
 writes its dq slice and adds
 ``scale * dz^T q + p^T dO`` into a fp32 dKV buffer with atomics (simple, but atomic-bound: PERFORMANCE.md).
+Float atomics sum in whatever order the programs arrive, so dKV differs in its last bits from run to run.
+
+Deterministic backward (``deterministic=True``): the same kernel stores each (row, slot) contribution to a fp32
+buffer instead (no atomics), over chunks of query rows that bound the buffer to ``DETERMINISTIC_BUFFER_ELEMENTS``;
+:mod:`.segment_sum` then adds the buffer rows into dKV key by key in a fixed order. dq (one program per element),
+Delta (one program per row) and d_sink (a PyTorch reduction) have no atomics in either mode. The forward has none.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from triton.runtime.errors import OutOfResources
 from ... import backend
 from ..index_sets import IndexSet
 from .reference import sparse_attention_reference
+from .segment_sum import add_rows_by_key
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -41,9 +48,10 @@ FWD_CONFIGS = {
     64: dict(BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, num_warps=4, num_stages=2),
     128: dict(BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=128, num_warps=4, num_stages=2),
     256: dict(BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=2),
-    # One program owns all 512 value columns (64 x 512 fp32 accumulator over 8 warps): no score recompute; on the
-    # H200 this measured 3.9 ms vs 6.5-7.0 ms for two 256-column programs (T = 8192, 2026-11-30).
-    512: dict(BLOCK_N=32, BLOCK_DK=128, BLOCK_DV=512, num_warps=8, num_stages=2),
+    # One program owns all 512 value columns (64 x 512 fp32 accumulator over 8 warps) and loads each gathered
+    # 64 x 512 kv tile once for scores and values. H200, T = 32768, H = 64, K = 640 (2026-11-30): 10.1 ms; the
+    # split-score layout (BLOCK_N 32, BLOCK_DK 128) 15.5 ms; BLOCK_N 32 shared 14.5 ms; 16 rows 23.9 ms.
+    512: dict(BLOCK_N=64, BLOCK_DK=512, BLOCK_DV=512, num_warps=8, num_stages=2),
 }
 BWD_CONFIGS = {
     64: dict(BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=64, num_warps=4, num_stages=1),
@@ -53,6 +61,9 @@ BWD_CONFIGS = {
 }
 SUPPORTED_D = tuple(FWD_CONFIGS)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# fp32 elements of the deterministic backward's per-(row, slot) dKV buffer (512 MiB): T = 4096, K = 640, D = 512
+# runs in 10 chunks of 409 rows.
+DETERMINISTIC_BUFFER_ELEMENTS = 1 << 27
 
 
 @triton.jit
@@ -86,7 +97,7 @@ def _sparse_attn_fwd_kernel(
     Q, KV, IDX, SINK, OUT, LSE,
     H, K, qk_scale_log2,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
+    BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr, WARP_SPEC: tl.constexpr = False,
 ):
     # Program order: the value slices and head blocks of one row are adjacent, so they hit the same gathered
     # rows in L2; neighbouring rows (which share most of their window) follow.
@@ -103,19 +114,29 @@ def _sparse_attn_fwd_kernel(
     offs_dv = vb * BLOCK_DV + tl.arange(0, BLOCK_DV)
     q_rows = Q + t * H * D + offs_h[:, None] * D
 
+    # SHARED_KV (one program per row and head block owns all D columns): each gathered kv tile is loaded once
+    # and used as the keys (scores) and the values; the queries are loaded once, before the loop.
+    SHARED_KV: tl.constexpr = (BLOCK_DK == D) and (BLOCK_DV == D)
+    if SHARED_KV:
+        q_all = tl.load(q_rows + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)          # running max, log2 domain
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for start in range(0, K, BLOCK_N):
+    for start in tl.range(0, K, BLOCK_N, warp_specialize=WARP_SPEC):
         n = start + offs_n
         idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
         valid = idx >= 0
         kv_rows = KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * D
-        s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        for d0 in tl.static_range(0, D, BLOCK_DK):
-            q_c = tl.load(q_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
-            k_c = tl.load(kv_rows + d0 + offs_dk[None, :], mask=valid[:, None], other=0.0)
-            s += _dot(q_c, tl.trans(k_c), DOT_MODE)
+        if SHARED_KV:
+            # No load mask: empty slots read row 0 (kv has >= 1 row), their scores are -inf and p = 0 below.
+            kv_tile = tl.load(kv_rows + offs_dk[None, :])
+            s = _dot(q_all, tl.trans(kv_tile), DOT_MODE)
+        else:
+            s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+            for d0 in tl.static_range(0, D, BLOCK_DK):
+                q_c = tl.load(q_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
+                k_c = tl.load(kv_rows + d0 + offs_dk[None, :], mask=valid[:, None], other=0.0)
+                s += _dot(q_c, tl.trans(k_c), DOT_MODE)
         s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # An all-invalid block keeps m at -inf: shift by 0 instead so that no -inf - -inf NaN appears.
@@ -123,7 +144,10 @@ def _sparse_attn_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(kv_rows + offs_dv[None, :], mask=valid[:, None], other=0.0)
+        if SHARED_KV:
+            v = kv_tile
+        else:
+            v = tl.load(kv_rows + offs_dv[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + _dot(_round_to(p, KV, DOT_MODE), v, DOT_MODE)
         m_i = m_new
 
@@ -182,10 +206,12 @@ def _sparse_attn_bwd_delta_kernel(
 @triton.jit
 def _sparse_attn_bwd_kernel(
     Q, KV, IDX, DO, DENOM2, DELTA, DQ, DKV,
-    H, K, scale, qk_scale_log2,
+    H, K, ROWS, scale, qk_scale_log2, DETERMINISTIC: tl.constexpr,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
 ):
+    # DKV: the (N, D) fp32 gradient (atomic adds), or with DETERMINISTIC the (NUM_HB, ROWS, K, D) fp32 buffer of
+    # per-(head block, row, slot) contributions, every element written exactly once (ROWS = rows of this launch).
     NUM_DV: tl.constexpr = D // BLOCK_DV
     pid = tl.program_id(0)
     cb = pid % NUM_DV
@@ -227,8 +253,13 @@ def _sparse_attn_bwd_kernel(
         dq += _dot(_round_to(dz, KV, DOT_MODE), v, DOT_MODE)
         dkv = _dot(_round_to(tl.trans(dz * scale), KV, DOT_MODE), q_slice, DOT_MODE)
         dkv += _dot(_round_to(tl.trans(p), KV, DOT_MODE), do_slice, DOT_MODE)
-        # Duplicate rows inside a block are fine: each element is its own atomic add.
-        tl.atomic_add(DKV + row_off + offs_c[None, :], dkv, mask=valid[:, None])
+        if DETERMINISTIC:
+            # Empty slots store their exact zeros too; the reduction never reads them.
+            slot = (hb * ROWS + t) * K + n
+            tl.store(DKV + slot[:, None] * D + offs_c[None, :], dkv, mask=(n < K)[:, None])
+        else:
+            # Duplicate rows inside a block are fine: each element is its own atomic add.
+            tl.atomic_add(DKV + row_off + offs_c[None, :], dkv, mask=valid[:, None])
     tl.store(DQ + t * H * D + offs_h[:, None] * D + offs_c[None, :], _round_to(dq * scale, DQ, DOT_MODE),
              mask=h_mask[:, None])
 
@@ -246,7 +277,7 @@ def _launch_args(q: torch.Tensor, config: dict):
     T, H, D = q.shape
     cfg = dict(config)
     launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-    block_h = _block_h(H)
+    block_h = cfg.pop("BLOCK_H", None) or _block_h(H)      # benchmarks may force it (e.g. 128 heads per block)
     num_hb = triton.cdiv(H, block_h)
     grid = (T * num_hb * (D // cfg["BLOCK_DV"]),)
     dot_mode = 1 if q.dtype == torch.float32 else (2 if q.dtype == torch.bfloat16 and _interpreting() else 0)
@@ -282,14 +313,20 @@ def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
+    if kv.shape[0] == 0:                       # every slot is empty; the kernel still reads row 0 of kv
+        kv = kv.new_zeros(1, D)
     _launch(_sparse_attn_fwd_kernel, lambda grid, meta: grid, q, config or FWD_CONFIGS[D],
             (q, kv, idx, sink, out, lse, H, idx.shape[1], scale * LOG2E))
     return out, lse
 
 
-def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None):
-    """Returns dq (T, H, D) q.dtype, dkv (N, D) fp32, d_sink (H,) fp32."""
+def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, deterministic=False):
+    """Returns dq (T, H, D) q.dtype, dkv (N, D) fp32, d_sink (H,) fp32 (``out`` is unused: Delta is recomputed).
+
+    ``deterministic``: no float atomics, bitwise-identical results for identical inputs (module docstring).
+    """
     T, H, D = q.shape
+    K = idx.shape[1]
     denom = torch.logaddexp(lse, sink[None, :])                 # full denominator, includes the sink
     denom2 = (denom * LOG2E).contiguous()
     dq = torch.empty_like(q)
@@ -299,9 +336,24 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None):
         config = config or BWD_CONFIGS[D]
         # The Delta pre-pass has no value columns: it takes the whole row (BLOCK_DV is only for the grid).
         _launch(_DeltaKernel(), lambda grid, meta: (T * meta["NUM_HB"],), q, config,
-                (q, kv, idx, grad_out, denom2, delta, H, idx.shape[1], scale * LOG2E))
-        _launch(_sparse_attn_bwd_kernel, lambda grid, meta: grid, q, config,
-                (q, kv, idx, grad_out, denom2, delta, dq, dkv, H, idx.shape[1], scale, scale * LOG2E))
+                (q, kv, idx, grad_out, denom2, delta, H, K, scale * LOG2E))
+        if not deterministic:
+            _launch(_sparse_attn_bwd_kernel, lambda grid, meta: grid, q, config,
+                    (q, kv, idx, grad_out, denom2, delta, dq, dkv, H, K, T, scale, scale * LOG2E, False))
+        elif K > 0:
+            num_hb = triton.cdiv(H, config.get("BLOCK_H") or _block_h(H))     # as _launch_args computes it
+            rows = max(1, min(T, DETERMINISTIC_BUFFER_ELEMENTS // (num_hb * K * D)))
+            buf = torch.empty(num_hb * rows * K * D, dtype=torch.float32, device=q.device)
+            # Chunks run in row order and each adds its per-key sums in a fixed order: the result depends on the
+            # inputs and on ``rows`` only. Row slices are views, so the kernel sees chunk-local row numbers.
+            for s in range(0, T, rows):
+                e = min(s + rows, T)
+                _launch(_sparse_attn_bwd_kernel, lambda grid, meta: grid, q[s:e], config,
+                        (q[s:e], kv, idx[s:e], grad_out[s:e], denom2[s:e], delta[s:e], dq[s:e], buf,
+                         H, K, e - s, scale, scale * LOG2E, True))
+                add_rows_by_key(dkv, idx[s:e], buf, num_hb)
+        else:
+            dq.zero_()                                              # no slots: no keys, zero gradients
     # d_sink = -sum_t p_sink * Delta; p_sink = 0 where the sink is -inf (also on empty rows, where denom = -inf).
     p_sink = torch.where(denom == float("-inf"), 0.0, torch.exp(sink[None, :] - denom))
     d_sink = -(p_sink * delta).sum(0)
@@ -317,28 +369,30 @@ class _DeltaKernel:
         return call
 
 
-class _SparseAttentionTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, kv, attn_sink, idx, scale: float):
-        q, kv = q.contiguous(), kv.contiguous()
-        sink = attn_sink.float().contiguous()
-        out, lse = _sparse_attn_fwd(q, kv, idx, sink, scale)
-        ctx.save_for_backward(q, kv, sink, idx, out, lse)
-        ctx.scale, ctx.sink_dtype = scale, attn_sink.dtype
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+def kernel_supports(q: torch.Tensor) -> bool:
+    """Whether the kernels take ``q``'s dtype and head dim (otherwise the reference runs: see below)."""
+    return q.dtype in KERNEL_DTYPES and q.shape[-1] in SUPPORTED_D
 
-    @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        q, kv, sink, idx, out, lse = ctx.saved_tensors
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        dq, dkv, d_sink = _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out.contiguous(), ctx.scale)
-        return dq, dkv.to(kv.dtype), d_sink.to(ctx.sink_dtype), None, None
+
+def triton_forward(q, kv, idx, attn_sink, scale: float):
+    """The registered op's forward on this backend: idx (T, K) int (-1 = empty) -> out (T, H, D), lse (T, H) fp32."""
+    q, kv = q.contiguous(), kv.contiguous()
+    idx = idx.to(torch.int32).contiguous()
+    return _sparse_attn_fwd(q, kv, idx, attn_sink.float().contiguous(), scale)
+
+
+def triton_backward(grad_out, q, kv, idx, attn_sink, lse, scale: float, deterministic: bool):
+    """The registered op's backward on this backend: dq ``q.dtype``, dkv ``kv.dtype``, d_sink ``attn_sink.dtype``."""
+    q, kv = q.contiguous(), kv.contiguous()
+    idx = idx.to(torch.int32).contiguous()
+    grad_out = torch.zeros_like(q) if grad_out is None else grad_out.to(q.dtype).contiguous()
+    dq, dkv, d_sink = _sparse_attn_bwd(q, kv, idx, attn_sink.float().contiguous(), None, lse.contiguous(),
+                                       grad_out, scale, deterministic=deterministic)
+    return dq, dkv.to(kv.dtype), d_sink.to(attn_sink.dtype)
 
 
 def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, index_set: IndexSet, attn_sink: torch.Tensor,
-                            scale: float):
+                            scale: float, *, deterministic: bool = False):
     """Triton implementation behind :func:`dsv4attn.ops.sparse_attention` (arguments already checked).
 
     Args:
@@ -347,6 +401,7 @@ def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, index_set: IndexS
         index_set: :class:`IndexSet` of width K; ``rows(0, T)`` gives (T, K) int64 rows of ``kv``, ``-1`` = empty.
         attn_sink: (H,) per-head sink logit, fp32 (fp64 accepted; its gradient keeps its dtype).
         scale: softmax scale.
+        deterministic: backward without float atomics (bitwise repeatable).
     Returns:
         out (T, H, D) ``q.dtype`` (0 for rows without a valid index) and lse (T, H) fp32, natural log, excluding
         the sink, ``-inf`` for empty rows. Differentiable in q, kv and attn_sink.
@@ -354,13 +409,14 @@ def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, index_set: IndexS
     float64 inputs (the kernels have no fp64 path) and head dims outside {64, 128, 256, 512} **fall back to the
     reference implementation** rather than raising, so float64 checks keep working on any backend.
     """
-    if q.dtype not in KERNEL_DTYPES or q.shape[-1] not in SUPPORTED_D:
+    if not kernel_supports(q):
         return sparse_attention_reference(q, kv, index_set, attn_sink, scale)
-    T = q.shape[0]
-    idx = index_set.rows(0, T).to(device=q.device, dtype=torch.int32).contiguous()
-    return _SparseAttentionTriton.apply(q, kv, attn_sink, idx, float(scale))
+    from .op import sparse_attention_op                            # op.py imports this module lazily
+
+    idx = index_set.rows(0, q.shape[0]).to(device=q.device, dtype=torch.int32)
+    return sparse_attention_op(q, kv, idx, attn_sink, float(scale), None, deterministic, "triton")
 
 
 backend.register_kernel("sparse_attention", sparse_attention_triton)
 
-__all__ = ["sparse_attention_triton"]
+__all__ = ["sparse_attention_triton", "kernel_supports", "triton_forward", "triton_backward"]

@@ -1,0 +1,105 @@
+"""``torch.ops.dsv4attn.sparse_attention``: the tensor-indices path as a registered custom op.
+
+Registered with ``torch.library.custom_op`` + ``register_fake`` + ``register_autograd`` so that ``torch.compile``
+(fullgraph) sees one opaque node per direction instead of tracing the kernels' Python launchers, and so that the
+op can be captured in a CUDA graph: nothing in either direction reads a device value on the host and every shape
+follows from the input shapes (value checks run before the op, in :func:`dsv4attn.ops.sparse_attention`).
+
+The backend is an argument (``impl``, "reference" or "triton"), chosen once by the public function through
+:mod:`dsv4attn.backend`; the backward runs on the backend the forward ran on. Lazy :class:`IndexSet` inputs do not
+pass through here: the reference consumes them chunk by chunk in eager mode (see ``__init__.py``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ... import backend
+from ..index_sets import Explicit
+from .reference import reference_backward, reference_forward
+
+IMPLS = ("reference", "triton")
+
+
+def limit_slots(indices: torch.Tensor, topk_length: Optional[torch.Tensor]) -> torch.Tensor:
+    """``indices`` with slots ``k >= topk_length[t]`` of row t set to -1 (FlashMLA's ``topk_length``)."""
+    if topk_length is None:
+        return indices
+    slot = torch.arange(indices.shape[1], device=indices.device)
+    return torch.where(slot[None, :] < topk_length[:, None], indices, -1)
+
+
+def _triton_module(q: torch.Tensor):
+    """The kernel module when ``impl`` is "triton" and the kernels take ``q``; None means: run the reference."""
+    from . import triton as kernels                                  # imported only where Triton exists
+    return kernels if kernels.kernel_supports(q) else None
+
+
+@torch.library.custom_op("dsv4attn::sparse_attention", mutates_args=())
+def sparse_attention_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, attn_sink: torch.Tensor,
+                        softmax_scale: float, topk_length: Optional[torch.Tensor], deterministic: bool,
+                        impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of :func:`dsv4attn.ops.sparse_attention` for (T, K) tensor indices, arguments already checked.
+
+    ``deterministic`` only affects the backward; ``impl`` names the backend ("reference" or "triton").
+    Returns out (T, H, D) ``q.dtype`` and lse (T, H) fp32 (fp64 for fp64 ``q``), both contiguous.
+    """
+    idx = limit_slots(indices, topk_length)
+    with backend.exact_math(q.device):
+        kernels = _triton_module(q) if impl == "triton" else None
+        if kernels is not None:
+            return kernels.triton_forward(q, kv, idx, attn_sink, softmax_scale)
+        out, lse = reference_forward(q, kv, Explicit(idx), attn_sink, softmax_scale)
+        return out.contiguous(), lse
+
+
+@sparse_attention_op.register_fake
+def _sparse_attention_fake(q, kv, indices, attn_sink, softmax_scale, topk_length, deterministic, impl):
+    T, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((T, H), dtype=torch.promote_types(q.dtype, torch.float32))
+
+
+@torch.library.custom_op("dsv4attn::sparse_attention_backward", mutates_args=())
+def sparse_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                                 attn_sink: torch.Tensor, lse: torch.Tensor, softmax_scale: float,
+                                 topk_length: Optional[torch.Tensor], deterministic: bool,
+                                 impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq ``q.dtype``, dkv ``kv.dtype``, d_attn_sink ``attn_sink.dtype`` from the forward's saved ``lse``.
+
+    ``deterministic=True`` makes the Triton backward atomic-free (bitwise repeatable); the reference always is.
+    """
+    idx = limit_slots(indices, topk_length)
+    with backend.exact_math(q.device):
+        kernels = _triton_module(q) if impl == "triton" else None
+        if kernels is not None:
+            return kernels.triton_backward(grad_out, q, kv, idx, attn_sink, lse, softmax_scale, deterministic)
+        dq, dkv, dsink = reference_backward(grad_out, q, kv, Explicit(idx), attn_sink, lse, softmax_scale)
+        return dq.contiguous(), dkv.contiguous(), dsink.contiguous()
+
+
+@sparse_attention_backward_op.register_fake
+def _sparse_attention_backward_fake(grad_out, q, kv, indices, attn_sink, lse, softmax_scale, topk_length,
+                                    deterministic, impl):
+    return q.new_empty(q.shape), kv.new_empty(kv.shape), attn_sink.new_empty(attn_sink.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, kv, indices, attn_sink, softmax_scale, topk_length, deterministic, impl = inputs
+    ctx.save_for_backward(q, kv, indices, attn_sink, output[1], topk_length)
+    ctx.softmax_scale, ctx.deterministic, ctx.impl = softmax_scale, deterministic, impl
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, kv, indices, attn_sink, lse, topk_length = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(q)
+    dq, dkv, dsink = sparse_attention_backward_op(grad_out, q, kv, indices, attn_sink, lse, ctx.softmax_scale,
+                                                  topk_length, ctx.deterministic, ctx.impl)
+    return dq, dkv, None, dsink, None, None, None, None
+
+
+sparse_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+__all__ = ["sparse_attention_op", "sparse_attention_backward_op", "limit_slots", "IMPLS"]
