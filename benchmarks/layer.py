@@ -1,19 +1,124 @@
-"""One HybridAttention layer, forward + backward: time and peak memory per ratio and phase (one table).
+"""One HybridAttention layer, forward + backward: time, peak memory and a per-op breakdown (one table each).
 
-    python benchmarks/layer.py --preset flash --rows 8192 32768 65536 --ratios 0 4 128 --phases sparse
+    python benchmarks/layer.py --preset flash --rows 8192 32768 131072 262144 --ratios 0 4 128 \
+        --phases dense warmup sparse [--breakdown] [--backend reference]
 
 Each case runs once to warm up, then once timed. ``live before`` is the memory still allocated when the case
 starts (after garbage collection): anything but the inputs there means the previous case leaked.
+
+``--breakdown`` records the arguments of every op call the timed step makes (compressor pooling, indexer top-k,
+sparse attention, indexer KL) and replays each call on its own, forward and forward + backward, median of 3.
+"rest" is the layer's forward + backward minus those ops: the projections, norms, RoPE and the output projection.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
+from collections import defaultdict
 
 import torch
 
 import dsv4attn
+from dsv4attn.layers import attention as attention_module
+from dsv4attn.layers import compressor as compressor_module
+
+# (module, name, label): the op entry points the layer calls.
+OPS = ((compressor_module, "compress_pool", "compressor pool"), (attention_module, "indexer_topk", "indexer top-k"),
+       (attention_module, "sparse_attention", "attention"), (attention_module, "indexer_kl", "indexer KL"))
+
+
+class OpRecorder:
+    """Wraps the layer's op entry points and keeps (label, function, args, grad mode) of every call."""
+
+    def __init__(self):
+        self.calls, self._saved = [], []
+
+    def __enter__(self):
+        for module, name, label in OPS:
+            fn = getattr(module, name)
+            self._saved.append((module, name, fn))
+
+            def wrapper(*args, _fn=fn, _label=label, **kwargs):
+                grad = torch.is_grad_enabled()
+                # The attention call made without grad is the teacher's window LSE inside the indexer loss.
+                tag = _label if grad or _label != "attention" else "indexer KL (window LSE)"
+                self.calls.append((tag, _fn, args, kwargs, grad))
+                return _fn(*args, **kwargs)
+            setattr(module, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, fn in self._saved:
+            setattr(module, name, fn)
+
+
+def _leaf(a, grad):
+    if isinstance(a, torch.Tensor) and a.is_floating_point():
+        return a.detach().clone().requires_grad_(grad and a.requires_grad)
+    return a
+
+
+def _time_call(fn, args, kwargs, grad, backward: bool, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps + 1):
+        leaves = [_leaf(a, grad) for a in args]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.set_grad_enabled(grad):
+            out = fn(*leaves, **kwargs)
+            if backward and grad:
+                first = out[0] if isinstance(out, tuple) else out
+                if first.requires_grad:
+                    first.backward(torch.ones_like(first) if first.dim() == 1 else torch.randn_like(first))
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+        del out, leaves
+    return statistics.median(times[1:])
+
+
+def breakdown(calls) -> dict[str, tuple[float, float]]:
+    """label -> (forward ms, forward + backward ms), summed over the calls with that label."""
+    totals = defaultdict(lambda: [0.0, 0.0])
+    for label, fn, args, kwargs, grad in calls:
+        totals[label][0] += _time_call(fn, args, kwargs, grad, backward=False)
+        totals[label][1] += _time_call(fn, args, kwargs, grad, backward=True)
+    return {k: tuple(v) for k, v in totals.items()}
+
+
+def run_case(layer, x, cu, doc, phase, device, record=False):
+    gib = 2.0 ** 30
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    live = torch.cuda.memory_allocated() / gib if device.type == "cuda" else float("nan")
+    recorder = OpRecorder()
+    with recorder if record else _nothing():
+        start = time.perf_counter()
+        y = layer(x, cu_seqlens=cu, max_seqlen=doc, phase=phase)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        fwd = (time.perf_counter() - start) * 1e3
+        y.float().square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        total = (time.perf_counter() - start) * 1e3
+    del y
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated() / gib if device.type == "cuda" else float("nan")
+    return fwd, total, peak, live, recorder.calls
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def main() -> None:
@@ -23,44 +128,55 @@ def main() -> None:
     ap.add_argument("--ratios", type=int, nargs="+", default=[0, 4, 128])
     ap.add_argument("--phases", nargs="+", default=["sparse"])
     ap.add_argument("--doc-len", type=int, default=0, help="0: one document spanning the batch")
+    ap.add_argument("--breakdown", action="store_true", help="also time every op call of the step on its own")
+    ap.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"])
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.breakdown and device.type != "cuda":
+        raise SystemExit("--breakdown needs a CUDA device")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = getattr(dsv4attn.AttentionConfig, args.preset)()
     dsv4attn.set_checks(False)
-    gib = 2.0 ** 30
-    print(f"{args.preset} geometry, {dtype}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}")
+    dsv4attn.set_backend(args.backend)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{args.preset} geometry, {dtype}, {name}, backend {args.backend}")
     print("| T | ratio | phase | fwd ms | fwd+bwd ms | peak GiB | live before GiB |")
     print("|---|---|---|---|---|---|---|")
+    details = []
     for T in args.rows:
         doc = args.doc_len or T
         cu = torch.tensor([0] + [doc] * (T // doc), dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
         for ratio in args.ratios:
             layer = dsv4attn.HybridAttention(cfg, ratio).to(device=device, dtype=dtype).train()
             for phase in args.phases:
+                if ratio != 4 and phase != args.phases[0]:
+                    continue                                   # the phase only changes ratio-4 layers
                 x = torch.randn(T, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
-                for timed in (False, True):
+                try:
+                    run_case(layer, x, cu, doc, phase, device)
+                    fwd, total, peak, live, calls = run_case(layer, x, cu, doc, phase, device, args.breakdown)
+                except torch.OutOfMemoryError:
+                    print(f"| {T} | {ratio} | {phase} | OOM | OOM | - | - |", flush=True)
                     gc.collect()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                    live = torch.cuda.memory_allocated() / gib if device.type == "cuda" else float("nan")
-                    start = time.perf_counter()
-                    y = layer(x, cu_seqlens=cu, max_seqlen=doc, phase=phase)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    fwd = (time.perf_counter() - start) * 1e3
-                    y.float().square().mean().backward()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    total = (time.perf_counter() - start) * 1e3
-                    del y
-                    x.grad = None
-                    layer.zero_grad(set_to_none=True)
-                peak = torch.cuda.max_memory_allocated() / gib if device.type == "cuda" else float("nan")
-                print(f"| {T} | {ratio} | {phase} | {fwd:.1f} | {total:.1f} | {peak:.1f} | {live:.2f} |", flush=True)
+                    torch.cuda.empty_cache()
+                    continue
+                print(f"| {T} | {ratio} | {phase} | {fwd:.1f} | {total:.1f} | {peak:.1f} | {live:.2f} |",
+                      flush=True)
+                if args.breakdown:
+                    details.append((T, ratio, phase, fwd, total, breakdown(calls)))
+                    del calls
             del layer
+    if details:
+        print("\nPer-op breakdown (each op call replayed alone; ms forward / forward+backward)")
+        labels = ["compressor pool", "indexer top-k", "attention", "indexer KL", "indexer KL (window LSE)"]
+        print("| T | ratio | phase | " + " | ".join(labels) + " | rest (proj, norms, RoPE, output) | layer |")
+        print("|---|---|---|" + "---|" * (len(labels) + 2))
+        for T, ratio, phase, fwd, total, parts in details:
+            cells = [f"{parts[k][0]:.1f} / {parts[k][1]:.1f}" if k in parts else "-" for k in labels]
+            rest_f = fwd - sum(v[0] for v in parts.values())
+            rest_t = total - sum(v[1] for v in parts.values())
+            print(f"| {T} | {ratio} | {phase} | " + " | ".join(cells) +
+                  f" | {rest_f:.1f} / {rest_t:.1f} | {fwd:.1f} / {total:.1f} |")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,12 @@ Shapes: H = 64 heads, D = 512, K = 640 slots per query = 128 window rows (t-127 
 count once per occurrence, as the op defines). FLOPs follow spec/PERFORMANCE.md: forward = 4*T*H*K*D counting
 masked slots, backward = 2.5x forward. Run (CUDA, Triton):
 
-    python benchmarks/sparse_attention.py --T 8192 32768 [--check-T 8192] [--sweep] [--log out.txt]
+    python benchmarks/sparse_attention.py --T 8192 32768 65536 --H 64 128 [--check-T 8192] [--sweep]
+        [--flashmla .peers/flashmla] [--log out.txt]
+
+``--flashmla`` times FlashMLA's sparse prefill forward (``bash ../shared/peers/get_flashmla.sh``) on the same
+inputs in the same run; the project never depends on it. "peak MiB" is what a call allocates beyond its inputs;
+"mem/io" (forward+backward) is that plus q and kv over the bytes of q, kv, out, lse, dq, dkv (target <= 1.3).
 """
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ import sys
 import torch
 
 MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (PERFORMANCE.md)
-H, D, WINDOW, TOPK = 64, 512, 128, 512
+D, WINDOW, TOPK = 512, 128, 512
+H = 64                          # default; --H sets it per table row
 
 
 def causal_indices(T: int, device, seed: int = 0) -> torch.Tensor:
@@ -30,7 +36,8 @@ def causal_indices(T: int, device, seed: int = 0) -> torch.Tensor:
     return torch.cat([window, rand], dim=1).to(torch.int32)
 
 
-def make_inputs(T: int, device, dtype=torch.bfloat16, seed: int = 0):
+def make_inputs(T: int, device, dtype=torch.bfloat16, seed: int = 0, heads: int | None = None):
+    H = heads or globals()["H"]
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(T, H, D, device=device, generator=gen).to(dtype)
     kv = torch.randn(T, D, device=device, generator=gen).to(dtype)
@@ -92,14 +99,23 @@ def check(T: int, log) -> None:
     torch.cuda.empty_cache()
 
 
-def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: str = "") -> None:
+def io_bytes(T: int, H: int, K: int) -> int:
+    """q, out, dq (bf16, T*H*D), kv and dkv (bf16, T*D), lse (fp32, T*H): what forward+backward must hold."""
+    return 3 * T * H * D * 2 + 2 * T * D * 2 + T * H * 4
+
+
+def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: str = "", heads: int = 64,
+          flashmla=None) -> None:
     from dsv4attn.ops.sparse_attention import triton as sat
     from dsv4attn.ops.sparse_attention.reference import sparse_attention_reference
     from dsv4attn.ops.index_sets import Explicit
-    q, kv, idx, sink, grad_out = make_inputs(T, "cuda")
+    q, kv, idx, sink, grad_out = make_inputs(T, "cuda", heads=heads)
+    H = heads
     scale = D ** -0.5
     K = idx.shape[1]
     fwd_flop = 4.0 * T * H * K * D
+    io = io_bytes(T, H, K)
+    inputs = (q.numel() + kv.numel()) * q.element_size()     # held by the caller, part of the io bytes
     out, lse = sat._sparse_attn_fwd(q, kv, idx, sink, scale, fwd_cfg)
 
     def fwd():
@@ -112,13 +128,27 @@ def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: st
         o, _ = sat._sparse_attn_fwd(q, kv, idx, sink, scale, fwd_cfg)
         sat._sparse_attn_bwd(q, kv, idx, sink, o, lse, grad_out, scale, bwd_cfg)
 
-    rows = [("fwd", fwd, fwd_flop), ("bwd", bwd, 2.5 * fwd_flop), ("fwd+bwd", fwd_bwd, 3.5 * fwd_flop)]
-    for op, fn, flop in rows:
-        ms = time_ms(fn)
-        mem = peak_mib(fn)
+    def row(impl, op, ms, flop, mem, base_ms=None):
         tflops = flop / ms / 1e9
-        log(f"| triton{tag} {op:8s} | T={T:6d} H={H} D={D} K={K} | {ms:9.3f} | {tflops:7.1f} | "
-            f"{tflops / MATMUL_PEAK_TFLOPS:6.3f} | {mem:9.0f} |")
+        vs = f"{base_ms / ms:5.2f}" if base_ms else "  -  "
+        ratio = f"{(mem * 2**20 + inputs) / io:5.2f}" if op == "fwd+bwd" else "  -  "
+        log(f"| {impl}{tag} {op:8s} | T={T:6d} H={H} D={D} K={K} | {ms:9.3f} | {tflops:7.1f} | "
+            f"{tflops / MATMUL_PEAK_TFLOPS:6.3f} | {mem:9.0f} | {ratio} | {vs} |")
+
+    fm_ms = None
+    if flashmla is not None:
+        idx3 = idx[:, None].contiguous()
+
+        def fm_fwd():
+            return flashmla.flash_mla_sparse_fwd(q, kv[:, None], idx3, scale, D, sink)
+
+        fm_out = fm_fwd()[0]
+        err = ((fm_out.float() - out.float()).abs().max() / out.float().abs().max()).item()
+        fm_ms = time_ms(fm_fwd)
+        row("flashmla", "fwd", fm_ms, fwd_flop, peak_mib(fm_fwd))
+        log(f"  (FlashMLA vs triton forward: max |diff| / max |out| = {err:.2e})")
+    for op, fn, flop in [("fwd", fwd, fwd_flop), ("bwd", bwd, 2.5 * fwd_flop), ("fwd+bwd", fwd_bwd, 3.5 * fwd_flop)]:
+        row("triton", op, time_ms(fn), flop, peak_mib(fn), fm_ms if op == "fwd" else None)
     if with_reference:
         iset = Explicit(idx)
 
@@ -131,47 +161,57 @@ def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: st
             o.backward(grad_out)
 
         for op, fn, flop in (("fwd", ref_fwd, fwd_flop), ("fwd+bwd", ref_fwd_bwd, 3.5 * fwd_flop)):
-            ms = time_ms(fn, warmup=1, reps=3)
-            mem = peak_mib(fn)
-            tflops = flop / ms / 1e9
-            log(f"| reference {op:8s} | T={T:6d} H={H} D={D} K={K} | {ms:9.3f} | {tflops:7.1f} | "
-                f"{tflops / MATMUL_PEAK_TFLOPS:6.3f} | {mem:9.0f} |")
+            row("reference", op, time_ms(fn, warmup=1, reps=3), flop, peak_mib(fn))
 
 
-SWEEP_FWD = [dict(BLOCK_N=n, BLOCK_DK=dk, BLOCK_DV=dv, num_warps=w, num_stages=s)
-             for n, dk, dv, w, s in [(32, 128, 512, 8, 2), (32, 64, 512, 8, 3), (32, 128, 512, 8, 3),
-                                     (16, 128, 512, 8, 2), (32, 128, 512, 4, 2), (64, 64, 512, 8, 1)]]
+def _fwd(n, dk, dv, w, s, **extra):
+    return dict(BLOCK_N=n, BLOCK_DK=dk, BLOCK_DV=dv, num_warps=w, num_stages=s, **extra)
+
+
+SWEEP_FWD = {   # per head count; BLOCK_DK == BLOCK_DV == 512: one kv tile per step for scores and values
+    64: [_fwd(32, 128, 512, 8, 2),                                   # split-score layout (first version)
+         _fwd(64, 512, 512, 8, 2), _fwd(64, 512, 512, 8, 2, WARP_SPEC=True), _fwd(32, 512, 512, 8, 3)],
+    128: [_fwd(64, 512, 512, 8, 2), _fwd(32, 512, 512, 16, 2, BLOCK_H=128), _fwd(64, 512, 512, 16, 1, BLOCK_H=128),
+          _fwd(32, 512, 512, 16, 1, BLOCK_H=128)],
+}
 SWEEP_BWD = [dict(BLOCK_N=n, BLOCK_DK=dk, BLOCK_DV=dv, num_warps=w, num_stages=s)
              for n, dk, dv, w, s in [(32, 64, 128, 4, 2), (32, 64, 256, 8, 2), (32, 64, 128, 4, 3),
                                      (16, 64, 128, 4, 2), (32, 64, 128, 8, 2), (32, 128, 256, 8, 2)]]
 
 
-def sweep(T: int, log) -> None:
+def sweep(T: int, log, bwd: bool = True, heads: int = 64) -> None:
     from dsv4attn.ops.sparse_attention import triton as sat
-    q, kv, idx, sink, grad_out = make_inputs(T, "cuda")
+    q, kv, idx, sink, grad_out = make_inputs(T, "cuda", heads=heads)
     scale, K = D ** -0.5, idx.shape[1]
-    fwd_flop = 4.0 * T * H * K * D
+    fwd_flop = 4.0 * T * heads * K * D
     out, lse = sat._sparse_attn_fwd(q, kv, idx, sink, scale)
-    for cfg in SWEEP_FWD:
+    for cfg in SWEEP_FWD.get(heads, []):
         try:
             ms = time_ms(lambda: sat._sparse_attn_fwd(q, kv, idx, sink, scale, cfg))
-            log(f"sweep fwd {cfg}: {ms:.3f} ms {fwd_flop / ms / 1e9:.1f} TFLOP/s")
+            o, l_ = sat._sparse_attn_fwd(q, kv, idx, sink, scale, cfg)
+            diff = max(((o.float() - out.float()).abs().max() / out.float().abs().max()).item(),
+                       (l_ - lse).abs().nan_to_num().max().item())
+            log(f"sweep fwd H={heads} {cfg}: {ms:.3f} ms {fwd_flop / ms / 1e9:.1f} TFLOP/s "
+                f"(max rel diff vs default {diff:.1e})")
         except Exception as exc:                                           # noqa: BLE001 - report and go on
-            log(f"sweep fwd {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}")
-    for cfg in SWEEP_BWD:
+            log(f"sweep fwd H={heads} {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}")
+    for cfg in SWEEP_BWD if bwd else ():
         try:
             ms = time_ms(lambda: sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, cfg))
-            log(f"sweep bwd {cfg}: {ms:.3f} ms {2.5 * fwd_flop / ms / 1e9:.1f} TFLOP/s")
+            log(f"sweep bwd H={heads} {cfg}: {ms:.3f} ms {2.5 * fwd_flop / ms / 1e9:.1f} TFLOP/s")
         except Exception as exc:                                           # noqa: BLE001
-            log(f"sweep bwd {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}")
+            log(f"sweep bwd H={heads} {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--H", type=int, nargs="+", default=[64])
+    parser.add_argument("--flashmla", default=None, help="folder made by get_flashmla.sh (optional baseline)")
     parser.add_argument("--check-T", type=int, default=8192, help="0 skips the correctness check")
     parser.add_argument("--reference-T", type=int, default=8192, help="T at which the reference is also timed")
-    parser.add_argument("--sweep", action="store_true", help="also time the tile configurations in SWEEP_*")
+    parser.add_argument("--sweep", choices=["fwd", "both"], default=None,
+                        help="also time the tile configurations in SWEEP_FWD (and SWEEP_BWD)")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -188,13 +228,20 @@ def main() -> None:
     log(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
     if args.check_T:
         check(args.check_T, log)
-    log("| impl op | shape | ms (median of 10) | TFLOP/s | / 782 peak | peak MiB |")
-    log("|---|---|---|---|---|---|")
-    for T in args.T:
-        bench(T, log, with_reference=(T == args.reference_T))
-        torch.cuda.empty_cache()
+    flashmla = None
+    if args.flashmla:
+        sys.path.insert(0, args.flashmla)
+        from load_flashmla import load
+        flashmla = load(args.flashmla)
+    log("| impl op | shape | ms (median of 10) | TFLOP/s | / 782 peak | peak MiB | mem/io | x FlashMLA |")
+    log("|---|---|---|---|---|---|---|---|")
+    for heads in args.H:
+        for T in args.T:
+            bench(T, log, with_reference=(T == args.reference_T and heads == 64), heads=heads, flashmla=flashmla)
+            torch.cuda.empty_cache()
     if args.sweep:
-        sweep(args.T[0], log)
+        for heads in args.H:
+            sweep(args.T[0], log, bwd=args.sweep == "both", heads=heads)
 
 
 if __name__ == "__main__":
