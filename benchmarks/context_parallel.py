@@ -111,8 +111,14 @@ def main():
             ms1 = peak1 = float("nan")
             y1 = dx1 = None
             if rank == 0 and T <= args.cp1_max_rows:
-                step(layer, x, g, cu, doc, args.phase)
-                (y1, dx1), ms1, peak1 = timed(lambda: step(layer, x, g, cu, doc, args.phase), device)
+                try:
+                    step(layer, x, g, cu, doc, args.phase)
+                    (y1, dx1), ms1, peak1 = timed(lambda: step(layer, x, g, cu, doc, args.phase), device)
+                except torch.OutOfMemoryError:            # CP-1 does not fit one device: report it, go on
+                    print(f"T={T} ratio {ratio}: CP-1 out of memory on one device", flush=True)
+                    layer.zero_grad(set_to_none=True)
+                    gc.collect()
+                    torch.cuda.empty_cache()
             dist.barrier()
             for part in args.partitions:
                 def run_cp():

@@ -31,3 +31,25 @@ def test_unweighted_rms_norm_bf16_statistics_in_fp32():
     assert y.dtype == torch.bfloat16
     want = _autograd_version(x.bfloat16().double(), 1e-6)
     assert (y.double() - want).abs().max() < 2e-2
+
+
+def test_unweighted_rms_norm_in_row_chunks_equals_one_chunk(monkeypatch):
+    from dsv4attn.layers.common import _UnweightedRMSNorm
+    torch.manual_seed(2)
+    x = torch.randn(7, 3, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn_like(x)
+    y = rms_norm_unweighted(x, 1e-6)
+    (dx,) = torch.autograd.grad((y * g).sum(), x)
+    monkeypatch.setattr(_UnweightedRMSNorm, "CHUNK_ELEMENTS", 2 * 3 * 8)     # 2 rows per chunk, 4 chunks
+    y_c = rms_norm_unweighted(x, 1e-6)
+    (dx_c,) = torch.autograd.grad((y_c * g).sum(), x)
+    assert torch.equal(y, y_c) and torch.equal(dx, dx_c)
+
+
+def test_unweighted_rms_norm_bf16_rounds_once():
+    torch.manual_seed(3)
+    x = (torch.randn(16, 4, 64) * 5).bfloat16()
+    want = _autograd_version(x.float(), 1e-6).bfloat16()     # fp32 statistics and product, one rounding
+    got = rms_norm_unweighted(x, 1e-6)
+    ulp = (want.float().abs() * 2.0 ** -7).clamp(min=1e-30)
+    assert ((got.float() - want.float()).abs() <= ulp).all()
