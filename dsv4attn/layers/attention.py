@@ -116,9 +116,7 @@ class HybridAttention(KeepFp32Params):
         pos_q, pos_k = pack.row_position[frame.query_rows()], pack.row_position[frame.key_rows()]
         n_keys = x_keys.shape[0]
 
-        qr = self.q_a_norm(self.q_a_proj(x))
-        q = rms_norm_unweighted(self.q_b_proj(qr).view(T, H, D), c.rms_norm_eps)
-        q = apply_rope(q, pos_q, inv_freq)
+        qr, q = self._queries(x, pos_q, inv_freq)
         kv = apply_rope(self.kv_norm(self.kv_proj(x_keys)), pos_k, inv_freq)   # raw keys incl. the halo
 
         # Index sets in key coordinates: raw key rows first, then the gathered compressed rows.
@@ -163,13 +161,44 @@ class HybridAttention(KeepFp32Params):
             self._inv_freq_on[device] = self._inv_freq.to(device)
         return self._inv_freq_on[device]
 
+    def _queries(self, x, positions, inv_freq):
+        """(qr, q): the normalised low-rank query (T, q_lora_rank) and the RoPE'd queries (T, H, head_dim)."""
+        c = self.config
+        qr = self.q_a_norm(self.q_a_proj(x))
+        q = rms_norm_unweighted(self.q_b_proj(qr).view(x.shape[0], c.num_attention_heads, c.head_dim),
+                                c.rms_norm_eps)
+        return qr, apply_rope(q, positions, inv_freq)
+
+    @torch.no_grad()
+    def _outside_lse(self, q, kv, window):
+        """(T, H) log attention mass outside the compressed candidates: the window keys plus the sink."""
+        sinks = self.sinks.detach()
+        _, window_lse = sparse_attention(q.detach(), kv.detach(), window, sinks, self.config.softmax_scale)
+        return torch.logaddexp(window_lse, sinks.to(window_lse.dtype))
+
+    @torch.no_grad()
+    def indexer_inputs(self, hidden_states: torch.Tensor, pack: PackedBatch) -> dict:
+        """What the indexer and its teacher see for ``hidden_states`` (T, hidden) of a single-device ``pack``
+        (ratio-4 layers; for evaluation and analysis, no gradients). Keys: ``q`` (T, H, D) RoPE'd queries,
+        ``compressed`` (capacity, D) compressed KV, ``outside_lse`` (T, H) window + sink mass, ``index_q``,
+        ``index_k``, ``index_weights`` (the indexer's scoring inputs) and ``layout`` (the ratio-4 layout)."""
+        if self.indexer is None:
+            raise ValueError(f"indexer_inputs needs a ratio-4 layer, this one has compress_ratio "
+                             f"{self.compress_ratio}")
+        x, inv_freq, pos = hidden_states, self._rope_table(hidden_states.device), pack.row_position
+        layout = pack.compressed(4)
+        qr, q = self._queries(x, pos, inv_freq)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), pos, inv_freq)
+        compressed = self.compressor(x, layout, inv_freq).to(q.dtype)
+        index_q, index_k, index_w = self.indexer(x, qr, pos, x, layout, inv_freq)
+        return dict(q=q, compressed=compressed, outside_lse=self._outside_lse(q, kv, Window(pack,
+                    self.config.sliding_window)), index_q=index_q, index_k=index_k, index_weights=index_w,
+                    layout=layout)
+
     def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, candidates, pack):
         """coeff * sum_t KL_t / real rows of the global batch (under CP this rank's share). Teacher operands are
         detached (9.9); ``candidates`` is the top-k (sparse teacher) or every visible entry (warm-up)."""
-        sinks = self.sinks.detach()
-        with torch.no_grad():
-            _, window_lse = sparse_attention(q.detach(), kv.detach(), window, sinks, self.config.softmax_scale)
-            outside_lse = torch.logaddexp(window_lse, sinks.to(window_lse.dtype))
+        outside_lse = self._outside_lse(q, kv, window)
         kl = indexer_kl(index_q, index_k, index_w, q.detach(), compressed.detach(), candidates, outside_lse,
                         self.config.softmax_scale)
         return self.config.indexer_loss_coeff * kl.sum() / pack.num_real_rows.clamp(min=1).to(kl.dtype)

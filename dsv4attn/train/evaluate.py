@@ -1,8 +1,8 @@
 """Held-out evaluation: LM loss, retrieval accuracy, indexer loss and indexer recall@k.
 
 The indexer metrics come from a probe of each ratio-4 layer on its captured input (the model runs in eval mode
-under ``no_grad``, where the layers compute no indexer loss). The probe recomputes the layer's single-device
-queries, compressed entries and indexer outputs from its own modules, then measures:
+under ``no_grad``, where the layers compute no indexer loss). The probe takes the layer's single-device queries,
+compressed entries and indexer outputs from ``HybridAttention.indexer_inputs``, then measures:
 
 - **recall@k**: for every query row with more than k visible compressed entries (where selection matters), the
   share of the teacher's top-k that the indexer's top-k also holds. The teacher ranks entries by the main
@@ -19,12 +19,10 @@ from contextlib import nullcontext
 import torch
 
 from ..layers import HybridAttention
-from ..layers.common import rms_norm_unweighted
-from ..ops import indexer_kl, indexer_topk, sparse_attention
-from ..ops.index_sets import Explicit, VisibleCompressed, Window, chunk_rows
+from ..ops import indexer_kl, indexer_topk
+from ..ops.index_sets import Explicit, VisibleCompressed, chunk_rows
 from ..packing import pack_batch
 from ..parallel import unshard
-from ..rope import apply_rope, layer_rope_frequencies
 from .data import Batch
 from .distributed import local_rows, sum_over
 from .model import DecoderLM, lm_loss
@@ -37,20 +35,10 @@ def probe_indexer(layer: HybridAttention, x: torch.Tensor, pack, phase: str) -> 
     Returns sums (so batches and layers add up): ``kl`` (coeff * sum_t KL_t), ``hits`` and ``wanted`` (recall
     numerator and denominator over rows with more than k visible entries).
     """
-    c, T = layer.config, x.shape[0]
-    H, D, k = c.num_attention_heads, c.head_dim, c.index_topk
-    inv_freq = layer_rope_frequencies(c, 4).to(x.device)
-    pos = pack.row_position
-    qr = layer.q_a_norm(layer.q_a_proj(x))
-    q = apply_rope(rms_norm_unweighted(layer.q_b_proj(qr).view(T, H, D), c.rms_norm_eps), pos, inv_freq)
-    kv = apply_rope(layer.kv_norm(layer.kv_proj(x)), pos, inv_freq)
-    layout = pack.compressed(4)
-    compressed = layer.compressor(x, layout, inv_freq).to(q.dtype)
-    sinks = layer.sinks
-    _, window_lse = sparse_attention(q, kv, Window(pack, c.sliding_window), sinks, c.softmax_scale)
-    outside_lse = torch.logaddexp(window_lse, sinks.to(window_lse.dtype))           # (T, H) window + sink mass
-
-    index_q, index_k, index_w = layer.indexer(x, qr, pos, x, layout, inv_freq)
+    c, T, k = layer.config, x.shape[0], layer.config.index_topk
+    seen = layer.indexer_inputs(x, pack)
+    q, compressed, outside_lse, layout = seen["q"], seen["compressed"], seen["outside_lse"], seen["layout"]
+    index_q, index_k, index_w = seen["index_q"], seen["index_k"], seen["index_weights"]
     student = indexer_topk(index_q, index_k, index_w, layout, k)                     # (T, k') best first
     visible = VisibleCompressed(layout, T)
     teacher = _teacher_topk(q, compressed, outside_lse, visible, student.shape[1], c.softmax_scale)

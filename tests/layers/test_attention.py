@@ -333,3 +333,10 @@ def test_fp32_parameter_gradients_survive_a_bf16_cast():
     assert layer.sinks.grad.dtype == torch.float32 and torch.equal(layer.sinks.grad, before[0])
     assert torch.equal(layer.compressor.position_bias.grad, before[1])
     assert layer.q_a_proj.weight.grad.dtype == torch.bfloat16
+
+
+def test_indexer_inputs_needs_a_ratio_4_layer():
+    layer = dsv4attn.HybridAttention(dsv4attn.AttentionConfig.tiny(), 128)
+    pack = dsv4attn.pack_batch(None, 16)
+    with pytest.raises(ValueError, match="ratio-4 layer"):
+        layer.indexer_inputs(torch.randn(16, 128), pack)
