@@ -174,18 +174,48 @@ SWEEP_FWD = {   # per head count; BLOCK_DK == BLOCK_DV == 512: one kv tile per s
     128: [_fwd(64, 512, 512, 8, 2), _fwd(32, 512, 512, 16, 2, BLOCK_H=128), _fwd(64, 512, 512, 16, 1, BLOCK_H=128),
           _fwd(32, 512, 512, 16, 1, BLOCK_H=128)],
 }
+def _bwd(layout, n, w, s, **extra):
+    return dict(dict(LAYOUT=layout, BLOCK_N=n, num_warps=w, num_stages=s, RELAXED=True), **extra)
+
+
+# Backward configurations (triton.BWD_CONFIGS keys; ``_deterministic`` = time deterministic=True instead). Without
+# LAYOUT a config runs the first (sliced) kernels. Per kv tile the sliced layout does 13 GEMM-tiles, "fused" and
+# "fused2" 7, "split" and "split3" 9 (triton.BWD_PASSES); every layout adds the same T * K * D fp32 atomics.
 SWEEP_BWD = [dict(BLOCK_N=n, BLOCK_DK=dk, BLOCK_DV=dv, num_warps=w, num_stages=s)
              for n, dk, dv, w, s in [(32, 64, 128, 4, 2), (32, 64, 256, 8, 2), (32, 64, 128, 4, 3),
                                      (16, 64, 128, 4, 2), (32, 64, 128, 8, 2), (32, 128, 256, 8, 2)]]
+SWEEP_BWD += [
+    dict(BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=128, num_warps=4, num_stages=2, RELAXED=True),   # sliced, relaxed atomics
+    _bwd("split", 32, 8, 2),                                        # the new default (BWD_CONFIGS[512])
+    _bwd("split", 32, 8, 2, RELAXED=False),                         # what relaxed atomics buy
+    _bwd("split", 64, 8, 1),
+    _bwd("split", 64, 8, 1, DKV=dict(BLOCK_N=32, num_stages=2)),
+    _bwd("split", 32, 8, 2, DKV=dict(BLOCK_N=16)),
+    _bwd("split", 32, 8, 2, DKV=dict(num_warps=4)),
+    _bwd("split", 32, 8, 2, DKV=dict(DKV_BLOCK_D=128)),             # dKV tile in 4 column chunks (q, dO re-read)
+    _bwd("split", 64, 8, 1, DKV=dict(DKV_BLOCK_D=256)),
+    _bwd("split3", 64, 8, 1, DKV=dict(BLOCK_N=32, num_stages=2)),
+    _bwd("fused", 32, 8, 2),
+    _bwd("fused", 16, 8, 2),
+    _bwd("fused", 32, 8, 1, DELTA=dict(BLOCK_N=64)),
+    _bwd("fused2", 32, 8, 2),
+    _bwd("fused2", 16, 8, 2),
+    _bwd("fused2", 32, 16, 2),
+    _bwd("fused2", 16, 4, 2),
+    _bwd("fused2", 32, 8, 2, DKV_BLOCK_D=128),
+    _bwd("fused", 32, 8, 2, DKV_BLOCK_D=128),
+    dict(_bwd("split", 32, 8, 2), _deterministic=True),             # default layout, atomic-free
+    dict(_bwd("fused2", 32, 8, 2), _deterministic=True),
+]
 
 
-def sweep(T: int, log, bwd: bool = True, heads: int = 64) -> None:
+def sweep(T: int, log, bwd: bool = True, heads: int = 64, fwd: bool = True, picks=None) -> None:
     from dsv4attn.ops.sparse_attention import triton as sat
     q, kv, idx, sink, grad_out = make_inputs(T, "cuda", heads=heads)
     scale, K = D ** -0.5, idx.shape[1]
     fwd_flop = 4.0 * T * heads * K * D
     out, lse = sat._sparse_attn_fwd(q, kv, idx, sink, scale)
-    for cfg in SWEEP_FWD.get(heads, []):
+    for cfg in SWEEP_FWD.get(heads, []) if fwd else ():
         try:
             ms = time_ms(lambda: sat._sparse_attn_fwd(q, kv, idx, sink, scale, cfg))
             o, l_ = sat._sparse_attn_fwd(q, kv, idx, sink, scale, cfg)
@@ -195,12 +225,35 @@ def sweep(T: int, log, bwd: bool = True, heads: int = 64) -> None:
                 f"(max rel diff vs default {diff:.1e})")
         except Exception as exc:                                           # noqa: BLE001 - report and go on
             log(f"sweep fwd H={heads} {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}")
-    for cfg in SWEEP_BWD if bwd else ():
+    if not bwd:
+        return
+    try:        # every variant is compared with the first (sliced) kernels' gradients
+        base = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, sat.SLICED_BWD_CONFIGS[D])
+    except Exception as exc:                                               # noqa: BLE001
+        base = None
+        log(f"sweep bwd H={heads}: sliced baseline failed {type(exc).__name__}: {str(exc)[:200]}")
+    for i, entry in enumerate(SWEEP_BWD):
+        if picks is not None and i not in picks:
+            continue
+        cfg = {k: v for k, v in entry.items() if k != "_deterministic"}
+        det = bool(entry.get("_deterministic", False))
+        label = f"{cfg}{' deterministic' if det else ''}"
         try:
-            ms = time_ms(lambda: sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, cfg))
-            log(f"sweep bwd H={heads} {cfg}: {ms:.3f} ms {2.5 * fwd_flop / ms / 1e9:.1f} TFLOP/s")
+            def run():
+                return sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, cfg, deterministic=det)
+
+            sat.SHRUNK.clear()
+            ms = time_ms(run)
+            shrunk = "".join(f"; {name} ran as {launched}" for name, (_, launched) in sat.SHRUNK.items())
+            diff = "n/a"
+            if base is not None:
+                diff = " ".join(f"{name} {((a.float() - b.float()).abs().max() / b.float().abs().max()).item():.1e}"
+                                for name, a, b in zip(("dq", "dkv", "d_sink"), run(), base))
+            log(f"sweep bwd H={heads} {label}: {ms:.3f} ms {2.5 * fwd_flop / ms / 1e9:.1f} TFLOP/s "
+                f"(max rel diff vs sliced: {diff}){shrunk}")
         except Exception as exc:                                           # noqa: BLE001
-            log(f"sweep bwd H={heads} {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}")
+            log(f"sweep bwd H={heads} {label}: failed {type(exc).__name__}: {str(exc)[:200]}")
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -210,8 +263,9 @@ def main() -> None:
     parser.add_argument("--flashmla", default=None, help="folder made by get_flashmla.sh (optional baseline)")
     parser.add_argument("--check-T", type=int, default=8192, help="0 skips the correctness check")
     parser.add_argument("--reference-T", type=int, default=8192, help="T at which the reference is also timed")
-    parser.add_argument("--sweep", choices=["fwd", "both"], default=None,
-                        help="also time the tile configurations in SWEEP_FWD (and SWEEP_BWD)")
+    parser.add_argument("--sweep", choices=["fwd", "bwd", "both"], default=None,
+                        help="also time the tile configurations in SWEEP_FWD and / or SWEEP_BWD")
+    parser.add_argument("--bwd-variants", default=None, help="comma-separated SWEEP_BWD indices (default: all)")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -241,7 +295,9 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.sweep:
         for heads in args.H:
-            sweep(args.T[0], log, bwd=args.sweep == "both", heads=heads)
+            picks = None if args.bwd_variants is None else {int(i) for i in args.bwd_variants.split(",")}
+            sweep(args.T[0], log, bwd=args.sweep in ("bwd", "both"), heads=heads, fwd=args.sweep in ("fwd", "both"),
+                  picks=picks)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ reference's own error is ~0 (lse, exactly representable cases).
 
 Also checked here: ``deterministic=True`` (atomic-free backward: bitwise repeatable, equal to the atomic backward
 up to fp32 summation order, within the same bounds against float64; with several row chunks and head blocks) and
-``topk_length`` (identical to masking the indices by hand). The same checks at V4 shapes on a GPU are in
-``test_sparse_attention_gpu.py``.
+``topk_length`` (identical to masking the indices by hand), and every backward layout (``LAYOUT`` in
+``triton.BWD_PASSES`` and the first, sliced version) at launcher level: several kv blocks per row, two head blocks,
+empty rows, repeated indices, dKV in column chunks, atomic and deterministic. The same checks at V4 shapes on a
+GPU are in ``test_sparse_attention_gpu.py``.
 """
 from __future__ import annotations
 
@@ -47,6 +49,9 @@ CASES.update({
     "bf16-H5-K70-multiblock": _case("bf16", 5, K=70, N=90),
     "fp32-H2-K70-multiblock-int32": _case("fp32", 2, K=70, N=90, int32=True),
     "fp32-H5-D128": _case("fp32", 5, D=128, K=40),
+    # D = 512 runs the V4 default layout (BWD_CONFIGS[512]) with several kv blocks per row.
+    "bf16-H5-D512-K70-multiblock": _case("bf16", 5, T=8, D=512, K=70, N=90),
+    "fp32-H5-D512": _case("fp32", 5, T=6, D=512, K=40, N=50),
 })
 # Deterministic backward: (case, rows per buffer chunk or None for the default single chunk). H = 70 gives two head
 # blocks of 64, each writing its own buffer plane.
@@ -57,6 +62,26 @@ DET_CASES = {
 }
 CASES["bf16-H70"] = _case("bf16", 70, T=12, K=20, N=30)
 TOPK_CASES = ("bf16-H5", "fp32-H2-K70-multiblock-int32")
+# Backward layouts at launcher level. BLOCK_N = 16 walks K = 70 in 5 kv blocks (the last one partial); H = 70 gives
+# two head blocks, the second with 6 live heads; rows 3 and T-1 are empty, slots 0 and 1 repeat an index. The
+# deterministic runs use buffer chunks of LAYOUT_DET_ROWS rows (bitwise repeatability: DET_CASES, default layouts).
+LAYOUT_CASES = {
+    "bf16-H70-K70": _case("bf16", 70, T=5, K=70, N=90),
+    "fp32-H5-D128-K70": _case("fp32", 5, T=6, D=128, K=70, N=90),
+}
+LAYOUTS = ("sliced", "fused", "fused2", "split", "split3")
+LAYOUT_DET_ROWS = 3                                                   # rows per deterministic buffer chunk
+
+
+def _layout_config(sa_triton, layout, D):
+    if layout == "sliced":
+        return dict(sa_triton.SLICED_BWD_CONFIGS[D], BLOCK_N=16, RELAXED=True)
+    config = dict(LAYOUT=layout, BLOCK_N=16, num_warps=4, num_stages=1, RELAXED=True)
+    if layout == "split":
+        config["DKV"] = dict(BLOCK_N=32)                              # a per-pass override
+    if layout in ("fused", "split3"):
+        config["DKV_BLOCK_D"] = 32                                    # the dKV tile in column chunks
+    return config
 
 
 def _inputs(c, seed):
@@ -101,9 +126,9 @@ def _lengths(T, K, seed):
     return length
 
 
-def _compare(kernel, ref_low, exact):
+def _compare(kernel, ref_low, exact, names=NAMES):
     result = {}
-    for name, k, r, e in zip(NAMES, kernel, ref_low, exact):
+    for name, k, r, e in zip(names, kernel, ref_low, exact):
         finite = torch.isfinite(e)
         same_pattern = bool((torch.isfinite(k) == finite).all() and (k[~finite] == e[~finite]).all())
         err_k = (k - e)[finite].abs().max().item() if finite.any() else 0.0
@@ -175,6 +200,34 @@ def _worker() -> None:
             bounds=_compare(with_length, ref_low, exact),
         )
     backend.set_backend(None)
+
+    results["layouts"] = {}
+    saved = sa_triton.DETERMINISTIC_BUFFER_ELEMENTS
+    for case_id, c in LAYOUT_CASES.items():
+        q, kv, idx, sink, grad_out = _inputs(c, 100 + list(LAYOUT_CASES).index(case_id))
+        idx32, scale = idx.to(torch.int32), c["D"] ** -0.5
+        _, lse = sa_triton._sparse_attn_fwd(q, kv, idx32, sink, scale)
+        ref_low = _run(sparse_attention_reference, q, kv, idx, sink, grad_out)[2:]
+        exact = _run(sparse_attention_reference, q.double(), kv.double(), idx, sink.double(), grad_out.double())[2:]
+        num_hb = -(-c["H"] // sa_triton._block_h(c["H"]))
+        for layout in LAYOUTS:
+            config = _layout_config(sa_triton, layout, c["D"])
+
+            def grads(deterministic):
+                dq, dkv, d_sink = sa_triton._sparse_attn_bwd(q, kv, idx32, sink, None, lse, grad_out, scale,
+                                                             dict(config), deterministic=deterministic)
+                return [dq.double(), dkv.double(), d_sink.double()], dkv.to(kv.dtype).double()
+
+            atomic, atomic_dkv_cast = grads(False)
+            sa_triton.DETERMINISTIC_BUFFER_ELEMENTS = LAYOUT_DET_ROWS * num_hb * c["K"] * c["D"]
+            fixed, _ = grads(True)
+            sa_triton.DETERMINISTIC_BUFFER_ELEMENTS = saved
+            results["layouts"][f"{case_id}-{layout}"] = dict(
+                bounds=_compare([atomic[0], atomic_dkv_cast, atomic[2]], ref_low, exact, names=GRADS),
+                dq_dsink_bitwise_as_atomic=torch.equal(atomic[0], fixed[0]) and torch.equal(atomic[2], fixed[2]),
+                dkv_vs_atomic=(fixed[1] - atomic[1]).abs().max().item(),
+                dkv_magnitude=atomic[1].abs().max().item(),
+            )
 
     # Plumbing: registration, dispatch through the public op, and the documented fp64 fallback.
     case_id = "bf16-H5"
@@ -263,6 +316,17 @@ def test_deterministic_backward(interpreted, det_id):
         f"(magnitude {m['dkv_magnitude']:.3e}): more than summation order")
     case_id = DET_CASES[det_id][0]
     _assert_within_bounds(det_id, m["bounds"], CASES[case_id]["dtype"] != "fp32")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case_id", list(LAYOUT_CASES))
+def test_backward_layout(interpreted, case_id, layout):
+    m = interpreted["layouts"][f"{case_id}-{layout}"]
+    _assert_within_bounds(f"{case_id} {layout}", m["bounds"], LAYOUT_CASES[case_id]["dtype"] != "fp32")
+    assert m["dq_dsink_bitwise_as_atomic"], f"{case_id} {layout}: dq / d_sink must not depend on the mode"
+    assert m["dkv_vs_atomic"] <= 1e-5 * max(m["dkv_magnitude"], 1e-30), (
+        f"{case_id} {layout}: fp32 dkv differs from the atomic backward by {m['dkv_vs_atomic']:.3e} "
+        f"(magnitude {m['dkv_magnitude']:.3e}): more than summation order")
 
 
 @pytest.mark.parametrize("case_id", TOPK_CASES)

@@ -5,24 +5,32 @@ Same contract as :func:`.reference.sparse_attention_reference`: for query row t 
 ``z = scale * q.kv``, ``lse = logsumexp(z)`` (fp32, excludes the sink, -inf when S_t is empty),
 ``p = exp(z - logaddexp(lse, sink))``, ``out = p @ kv`` (0 when S_t is empty).
 
-Layout (see spec/PERFORMANCE.md): one program per (query row, head block, value-column slice). The heads of a
-block are the M dimension of every ``tl.dot`` tile (MQA: all heads share the gathered rows), the row's K indices
+Forward layout (see spec/PERFORMANCE.md): one program per (query row, head block, value-column slice). The heads
+of a block are the M dimension of every ``tl.dot`` tile (MQA: all heads share the gathered rows), the row's K indices
 are walked in blocks of ``BLOCK_N`` gathered kv rows. Scores need the full D contraction, so they are accumulated
 over ``BLOCK_DK`` column chunks; the value / gradient columns are split over ``D // BLOCK_DV`` programs so the
 fp32 accumulator stays ``BLOCK_H x BLOCK_DV`` (a 64 x 512 fp32 accumulator does not fit in registers). The
 price is that each value slice recomputes the scores.
 
-Backward (first version): a pre-pass kernel computes Delta = dO.out = sum_k p_k dO.v_k from fp32 probabilities
-(as the reference does; dO . bf16-out would carry the output rounding into every gradient), d_sink is a (T, H)
-reduction in PyTorch, and the main kernel recomputes p from the saved lse, forms ``dz = p * (dO.v - Delta)``,
-writes its dq slice and adds
-``scale * dz^T q + p^T dO`` into a fp32 dKV buffer with atomics (simple, but atomic-bound: PERFORMANCE.md).
-Float atomics sum in whatever order the programs arrive, so dKV differs in its last bits from run to run.
+Backward: d_sink is a (T, H) reduction in PyTorch from Delta = dO.out = sum_k p_k dO.v_k, which the kernels
+compute from fp32 probabilities (as the reference does; dO . bf16-out would carry the output rounding and the bf16
+P operand's into d_sink, dq and dkv). Every kernel recomputes p from the saved lse, forms ``dz = p * (dO.v - Delta)``
+and produces ``dq = scale * dz kv`` and the dKV rows ``scale * dz^T q + p^T dO`` (fp32, atomically added: the
+atomic traffic is the same in every layout, T * K * D fp32 adds per head block). ``LAYOUT`` in the config picks:
 
-Deterministic backward (``deterministic=True``): the same kernel stores each (row, slot) contribution to a fp32
-buffer instead (no atomics), over chunks of query rows that bound the buffer to ``DETERMINISTIC_BUFFER_ELEMENTS``;
-:mod:`.segment_sum` then adds the buffer rows into dKV key by key in a fixed order. dq (one program per element),
-Delta (one program per row) and d_sink (a PyTorch reduction) have no atomics in either mode. The forward has none.
+- ``sliced`` (first version): a Delta pre-pass, then one program per (row, head block, BLOCK_DV value columns) that
+  recomputes the scores in every slice: 13 GEMM-tiles per kv tile at D = 512.
+- the row layouts (:func:`_sparse_attn_bwd_rows_kernel`): one program per (row, head block) over all D columns, q
+  and dO loaded once, each gathered kv tile loaded once per loop and used for s, dp, dq and dKV; Delta needs a
+  full loop of its own before dz exists, so a row costs 7 GEMM-tiles per kv tile (``fused``: Delta launch, then
+  dq + dKV; ``fused2``: both loops in one program) or 9 (``split``: Delta + dq, then a dKV-only launch, so no
+  program holds the 64 x 512 fp32 dq accumulator and a dKV tile at once; ``split3``: three launches).
+
+Deterministic backward (``deterministic=True``): the launches that produce dKV store each (row, slot)
+contribution to a fp32 buffer instead (no atomics), over chunks of query rows that bound the buffer to
+``DETERMINISTIC_BUFFER_ELEMENTS``; :mod:`.segment_sum` then adds the buffer rows into dKV key by key in a fixed
+order. dq (one owner per element), Delta (one program per row) and d_sink (a PyTorch reduction) have no atomics in
+either mode, and the mode does not change them. The forward has none.
 """
 from __future__ import annotations
 
@@ -53,11 +61,35 @@ FWD_CONFIGS = {
     # split-score layout (BLOCK_N 32, BLOCK_DK 128) 15.5 ms; BLOCK_N 32 shared 14.5 ms; 16 rows 23.9 ms.
     512: dict(BLOCK_N=64, BLOCK_DK=512, BLOCK_DV=512, num_warps=8, num_stages=2),
 }
+# Backward: ``LAYOUT`` picks the kernels (see ``BWD_PASSES``); "sliced" is the first version (one program per row,
+# head block and BLOCK_DV value columns; tile keys as in FWD_CONFIGS), the others are one program per (row, head
+# block) over all D columns (keys BLOCK_N, num_warps, num_stages; RELAXED: relaxed-order dKV atomics). A key named
+# after a pass (e.g. "DKV", "DELTA+DQ") holds overrides for that pass's launch.
 BWD_CONFIGS = {
-    64: dict(BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=64, num_warps=4, num_stages=1),
-    128: dict(BLOCK_N=32, BLOCK_DK=128, BLOCK_DV=128, num_warps=4, num_stages=1),
-    256: dict(BLOCK_N=32, BLOCK_DK=128, BLOCK_DV=128, num_warps=8, num_stages=1),
-    512: dict(BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=128, num_warps=4, num_stages=2),   # 35.7 ms vs 50.7 (T = 8192)
+    64: dict(LAYOUT="fused2", BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
+    128: dict(LAYOUT="fused2", BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
+    256: dict(LAYOUT="split", BLOCK_N=32, num_warps=8, num_stages=2, RELAXED=True),
+    # H200, T = 32768, H = 64, K = 640 (2026-11-30): 73.2 ms (94 TFLOP/s); the same with BLOCK_N 32 and 2 stages
+    # 100.2 ms; with acq_rel atomics 146 ms; "fused" (BLOCK_N 32) 73.2 ms; "fused2" 92 ms; the first (sliced)
+    # kernel 157 ms, 110.6 ms with relaxed atomics; deterministic "split" 147 ms.
+    512: dict(LAYOUT="split", BLOCK_N=64, num_warps=8, num_stages=1, RELAXED=True),
+}
+# The first version, kept selectable (``config=SLICED_BWD_CONFIGS[D]``) so that both can be timed in one run.
+SLICED_BWD_CONFIGS = {
+    64: dict(LAYOUT="sliced", BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=64, num_warps=4, num_stages=1),
+    128: dict(LAYOUT="sliced", BLOCK_N=32, BLOCK_DK=128, BLOCK_DV=128, num_warps=4, num_stages=1),
+    256: dict(LAYOUT="sliced", BLOCK_N=32, BLOCK_DK=128, BLOCK_DV=128, num_warps=8, num_stages=1),
+    # 159 ms at T = 32768 (H200, 2026-11-30); 35.7 ms vs 50.7 for BLOCK_DV 256 at T = 8192.
+    512: dict(LAYOUT="sliced", BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=128, num_warps=4, num_stages=2),
+}
+# Launches of each row layout, in order; each names what its program computes (_sparse_attn_bwd_rows_kernel).
+# GEMMs of BLOCK_H x BLOCK_N x D per kv tile: Delta needs 2 (s, dp), dq 3 (s, dp, dz kv), dKV 4 (s, dp, dz^T q,
+# p^T dO), dq + dKV together 5; the sliced layout needs 2 + 2 * (D / BLOCK_DV) + 3 = 13 at D = 512.
+BWD_PASSES = {
+    "fused": ("DELTA", "DQ+DKV"),             # 7 GEMMs, 2 launches; the dq and dKV tiles share registers
+    "fused2": ("DELTA+DQ+DKV",),              # 7 GEMMs, 1 launch: two loops per program (Delta, then the rest)
+    "split": ("DELTA+DQ", "DKV"),             # 9 GEMMs, 2 launches: no program holds dq and a dKV tile at once
+    "split3": ("DELTA", "DQ", "DKV"),         # 9 GEMMs, 3 launches
 }
 SUPPORTED_D = tuple(FWD_CONFIGS)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -208,7 +240,7 @@ def _sparse_attn_bwd_kernel(
     Q, KV, IDX, DO, DENOM2, DELTA, DQ, DKV,
     H, K, ROWS, scale, qk_scale_log2, DETERMINISTIC: tl.constexpr,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
+    BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr, RELAXED: tl.constexpr = False,
 ):
     # DKV: the (N, D) fp32 gradient (atomic adds), or with DETERMINISTIC the (NUM_HB, ROWS, K, D) fp32 buffer of
     # per-(head block, row, slot) contributions, every element written exactly once (ROWS = rows of this launch).
@@ -259,9 +291,113 @@ def _sparse_attn_bwd_kernel(
             tl.store(DKV + slot[:, None] * D + offs_c[None, :], dkv, mask=(n < K)[:, None])
         else:
             # Duplicate rows inside a block are fine: each element is its own atomic add.
-            tl.atomic_add(DKV + row_off + offs_c[None, :], dkv, mask=valid[:, None])
+            if RELAXED:
+                tl.atomic_add(DKV + row_off + offs_c[None, :], dkv, mask=valid[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(DKV + row_off + offs_c[None, :], dkv, mask=valid[:, None])
     tl.store(DQ + t * H * D + offs_h[:, None] * D + offs_c[None, :], _round_to(dq * scale, DQ, DOT_MODE),
              mask=h_mask[:, None])
+
+
+@triton.jit
+def _put_dkv(DKV, dkv, row_off, slot, valid, in_row, offs_c, D: tl.constexpr, DETERMINISTIC: tl.constexpr,
+             RELAXED: tl.constexpr):
+    """Columns ``offs_c`` of a tile's dKV rows: atomics into (N, D) at ``row_off``, or stores to buffer ``slot``."""
+    if DETERMINISTIC:
+        # Empty slots store their exact zeros too; the reduction never reads them.
+        tl.store(DKV + slot[:, None] * D + offs_c[None, :], dkv, mask=in_row[:, None])
+    elif RELAXED:
+        # Nothing reads dKV before the kernel ends: relaxed order suffices (the default, acq_rel, also orders
+        # each add against the program's other memory operations).
+        tl.atomic_add(DKV + row_off + offs_c[None, :], dkv, mask=valid[:, None], sem="relaxed")
+    else:
+        tl.atomic_add(DKV + row_off + offs_c[None, :], dkv, mask=valid[:, None])
+
+
+@triton.jit
+def _sparse_attn_bwd_rows_kernel(
+    Q, KV, IDX, DO, DENOM2, DELTA, DQ, DKV,
+    H, K, ROWS, scale, qk_scale_log2,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
+    DELTA_PASS: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    RELAXED: tl.constexpr, DKV_BLOCK_D: tl.constexpr,
+):
+    # One program per (query row, head block) over all D columns: q and dO are loaded once, before the loops, and
+    # each gathered BLOCK_N x D kv tile is loaded once per loop and serves as the keys (s = q kv^T, dp = dO kv^T)
+    # and the values (dq += dz kv); its dKV rows get scale * dz^T q + p^T dO. Which parts run is fixed per launch:
+    #   DELTA_PASS  a first loop computes Delta = sum_k p_k dp_k (fp32 p, as the reference) and stores it;
+    #               otherwise Delta is read from DELTA (written by an earlier launch).
+    #   DO_DQ       the second loop accumulates dq (BLOCK_H x D fp32) and stores it.
+    #   DO_DKV      the second loop adds each tile's dKV rows: atomics into the (N, D) fp32 gradient, or with
+    #               DETERMINISTIC plain stores into the (NUM_HB, ROWS, K, D) per-slot buffer (segment_sum.py).
+    #               DKV_BLOCK_D < D forms the BLOCK_N x D dKV tile in column chunks, reading q and dO chunks
+    #               again (L1 / L2 hits) instead of the hoisted tiles: fewer registers and less shared memory.
+    pid = tl.program_id(0)
+    hb = pid % NUM_HB
+    t = (pid // NUM_HB).to(tl.int64)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    head_off = t * H * D + offs_h[:, None] * D + offs_d[None, :]
+    q_all = tl.load(Q + head_off, mask=h_mask[:, None], other=0.0)
+    do_all = tl.load(DO + head_off, mask=h_mask[:, None], other=0.0)
+    # log2 of the full denominator logaddexp(lse, sink); padded heads get p = 0 through the mask below.
+    denom2 = tl.load(DENOM2 + t * H + offs_h, mask=h_mask, other=0.0)
+
+    if DELTA_PASS:
+        delta = tl.zeros([BLOCK_H], tl.float32)
+        for start in range(0, K, BLOCK_N):
+            n = start + offs_n
+            idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
+            valid = idx >= 0
+            # No load mask: empty slots read row 0 (kv has >= 1 row) and get p = 0.
+            kv_tile = tl.load(KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * D + offs_d[None, :])
+            s = _dot(q_all, tl.trans(kv_tile), DOT_MODE)
+            dp = _dot(do_all, tl.trans(kv_tile), DOT_MODE)
+            live = h_mask[:, None] & valid[None, :]
+            p = tl.where(live, tl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
+            delta += tl.sum(p * dp, 1)
+        tl.store(DELTA + t * H + offs_h, delta, mask=h_mask)
+    else:
+        delta = tl.load(DELTA + t * H + offs_h, mask=h_mask, other=0.0)
+
+    if DO_DQ or DO_DKV:
+        if DO_DQ:
+            dq = tl.zeros([BLOCK_H, D], tl.float32)
+        for start in range(0, K, BLOCK_N):
+            n = start + offs_n
+            idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
+            valid = idx >= 0
+            row_off = tl.where(valid, idx, 0).to(tl.int64)[:, None] * D
+            kv_tile = tl.load(KV + row_off + offs_d[None, :])
+            s = _dot(q_all, tl.trans(kv_tile), DOT_MODE)
+            dp = _dot(do_all, tl.trans(kv_tile), DOT_MODE)
+            live = h_mask[:, None] & valid[None, :]
+            p = tl.where(live, tl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
+            dz = p * (dp - delta[:, None])
+            if DO_DQ:
+                dq += _dot(_round_to(dz, KV, DOT_MODE), kv_tile, DOT_MODE)
+            if DO_DKV:
+                # Same operand roundings as the sliced kernel: bf16(scale * dz)^T q + bf16(p)^T dO, fp32 sums.
+                dz_t = _round_to(tl.trans(dz * scale), KV, DOT_MODE)
+                p_t = _round_to(tl.trans(p), KV, DOT_MODE)
+                slot = (hb * ROWS + t) * K + n
+                if DKV_BLOCK_D == D:
+                    dkv = _dot(dz_t, q_all, DOT_MODE)
+                    dkv += _dot(p_t, do_all, DOT_MODE)
+                    _put_dkv(DKV, dkv, row_off, slot, valid, n < K, offs_d, D, DETERMINISTIC, RELAXED)
+                else:
+                    for c0 in tl.static_range(0, D, DKV_BLOCK_D):
+                        offs_c = c0 + tl.arange(0, DKV_BLOCK_D)
+                        chunk_off = t * H * D + offs_h[:, None] * D + offs_c[None, :]
+                        q_c = tl.load(Q + chunk_off, mask=h_mask[:, None], other=0.0)
+                        do_c = tl.load(DO + chunk_off, mask=h_mask[:, None], other=0.0)
+                        dkv = _dot(dz_t, q_c, DOT_MODE)
+                        dkv += _dot(p_t, do_c, DOT_MODE)
+                        _put_dkv(DKV, dkv, row_off, slot, valid, n < K, offs_c, D, DETERMINISTIC, RELAXED)
+        if DO_DQ:
+            tl.store(DQ + head_off, _round_to(dq * scale, DQ, DOT_MODE), mask=h_mask[:, None])
 
 
 def _interpreting() -> bool:
@@ -279,27 +415,48 @@ def _launch_args(q: torch.Tensor, config: dict):
     launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
     block_h = cfg.pop("BLOCK_H", None) or _block_h(H)      # benchmarks may force it (e.g. 128 heads per block)
     num_hb = triton.cdiv(H, block_h)
-    grid = (T * num_hb * (D // cfg["BLOCK_DV"]),)
+    grid = (T * num_hb * (D // cfg.get("BLOCK_DV", D)),)       # row layouts have no value slices
     dot_mode = 1 if q.dtype == torch.float32 else (2 if q.dtype == torch.bfloat16 and _interpreting() else 0)
     meta = dict(D=D, BLOCK_H=block_h, NUM_HB=num_hb, DOT_MODE=dot_mode, **cfg)
     return grid, meta, launch
 
 
 def _smaller(config: dict) -> dict | None:
-    """Next configuration to try after a shared-memory overflow: fewer stages first, then fewer rows per step."""
+    """Next configuration to try after a shared-memory overflow: fewer stages first, then (backward row kernel)
+    narrower dKV column chunks, then fewer rows per step."""
     if config["num_stages"] > 1:
         return dict(config, num_stages=config["num_stages"] - 1)
+    if config.get("DO_DKV") and config["DKV_BLOCK_D"] > 128:       # backward row kernel: chunk the dKV tile
+        return dict(config, DKV_BLOCK_D=config["DKV_BLOCK_D"] // 2)
     if config["BLOCK_N"] > 16:
         return dict(config, BLOCK_N=config["BLOCK_N"] // 2)
     return None
 
 
+# Launches that ran with a smaller configuration than requested on this GPU: label -> (requested, launched).
+# Benchmarks print it, so that a timed configuration is never mistaken for the one that actually ran.
+SHRUNK: dict = {}
+# (kernel, requested config, dtype, H, D) -> the configuration that fitted, so a later call skips failed attempts
+# (each costs a launch attempt; the deterministic backward launches once per row chunk).
+_FITTED: dict = {}
+
+
 def _launch(kernel, grid_of, q, config: dict, args: tuple):
     """Launch ``kernel``, shrinking ``config`` if this GPU's shared memory is too small for it."""
+    requested = config
+    key = (id(kernel) if not isinstance(kernel, _DeltaKernel) else "delta", tuple(sorted(config.items())),
+           q.dtype, q.shape[1], q.shape[2])
+    config = _FITTED.get(key, config)
     while True:
         grid, meta, launch = _launch_args(q, config)
         try:
-            return kernel[grid_of(grid, meta)](*args, **meta, **launch)
+            result = kernel[grid_of(grid, meta)](*args, **meta, **launch)
+            if config is not requested:
+                _FITTED[key] = config
+                passes = "+".join(k for k in ("DELTA_PASS", "DO_DQ", "DO_DKV") if config.get(k))
+                SHRUNK[f"{getattr(getattr(kernel, 'fn', kernel), '__name__', type(kernel).__name__)} {passes}"] = (
+                    requested, config)
+            return result
         except OutOfResources:
             config = _smaller(config)
             if config is None:
@@ -323,48 +480,99 @@ def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
 def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, deterministic=False):
     """Returns dq (T, H, D) q.dtype, dkv (N, D) fp32, d_sink (H,) fp32 (``out`` is unused: Delta is recomputed).
 
-    ``deterministic``: no float atomics, bitwise-identical results for identical inputs (module docstring).
+    ``config``: a BWD_CONFIGS-style dict (its ``LAYOUT`` picks the kernels); ``deterministic``: no float atomics,
+    bitwise-identical results for identical inputs (module docstring).
     """
     T, H, D = q.shape
-    K = idx.shape[1]
     denom = torch.logaddexp(lse, sink[None, :])                 # full denominator, includes the sink
     denom2 = (denom * LOG2E).contiguous()
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     delta = torch.zeros(T, H, dtype=torch.float32, device=q.device)
     if T > 0:
-        config = config or BWD_CONFIGS[D]
-        # The Delta pre-pass has no value columns: it takes the whole row (BLOCK_DV is only for the grid).
-        _launch(_DeltaKernel(), lambda grid, meta: (T * meta["NUM_HB"],), q, config,
-                (q, kv, idx, grad_out, denom2, delta, H, K, scale * LOG2E))
-        if not deterministic:
-            _launch(_sparse_attn_bwd_kernel, lambda grid, meta: grid, q, config,
-                    (q, kv, idx, grad_out, denom2, delta, dq, dkv, H, K, T, scale, scale * LOG2E, False))
-        elif K > 0:
-            num_hb = triton.cdiv(H, config.get("BLOCK_H") or _block_h(H))     # as _launch_args computes it
-            rows = max(1, min(T, DETERMINISTIC_BUFFER_ELEMENTS // (num_hb * K * D)))
-            buf = torch.empty(num_hb * rows * K * D, dtype=torch.float32, device=q.device)
-            # Chunks run in row order and each adds its per-key sums in a fixed order: the result depends on the
-            # inputs and on ``rows`` only. Row slices are views, so the kernel sees chunk-local row numbers.
-            for s in range(0, T, rows):
-                e = min(s + rows, T)
-                _launch(_sparse_attn_bwd_kernel, lambda grid, meta: grid, q[s:e], config,
-                        (q[s:e], kv, idx[s:e], grad_out[s:e], denom2[s:e], delta[s:e], dq[s:e], buf,
-                         H, K, e - s, scale, scale * LOG2E, True))
-                add_rows_by_key(dkv, idx[s:e], buf, num_hb)
+        config = dict(config or BWD_CONFIGS[D])
+        layout = config.pop("LAYOUT", "sliced")
+        if layout == "sliced":
+            _sliced_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic)
+        elif layout in BWD_PASSES:
+            _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, BWD_PASSES[layout])
         else:
-            dq.zero_()                                              # no slots: no keys, zero gradients
+            raise ValueError(f"backward config LAYOUT must be 'sliced' or one of {sorted(BWD_PASSES)}, got {layout!r}")
     # d_sink = -sum_t p_sink * Delta; p_sink = 0 where the sink is -inf (also on empty rows, where denom = -inf).
     p_sink = torch.where(denom == float("-inf"), 0.0, torch.exp(sink[None, :] - denom))
     d_sink = -(p_sink * delta).sum(0)
     return dq, dkv, d_sink
 
 
+def _deterministic_rows(T: int, num_hb: int, K: int, D: int) -> int:
+    """Query rows per launch of a deterministic dKV pass: the per-slot buffer stays within the budget."""
+    return max(1, min(T, DETERMINISTIC_BUFFER_ELEMENTS // max(1, num_hb * K * D)))
+
+
+def _sliced_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic):
+    """The first version: Delta pre-pass, then one program per (row, head block, BLOCK_DV columns)."""
+    T, H, D = q.shape
+    K = idx.shape[1]
+    # The Delta pre-pass has no value columns: it takes the whole row (BLOCK_DV is only for the grid).
+    _launch(_DeltaKernel(), lambda grid, meta: (T * meta["NUM_HB"],), q, config,
+            (q, kv, idx, grad_out, denom2, delta, H, K, scale * LOG2E))
+    if not deterministic:
+        _launch(_sparse_attn_bwd_kernel, lambda grid, meta: grid, q, config,
+                (q, kv, idx, grad_out, denom2, delta, dq, dkv, H, K, T, scale, scale * LOG2E, False))
+    elif K > 0:
+        num_hb = triton.cdiv(H, config.get("BLOCK_H") or _block_h(H))     # as _launch_args computes it
+        rows = _deterministic_rows(T, num_hb, K, D)
+        buf = torch.empty(num_hb * rows * K * D, dtype=torch.float32, device=q.device)
+        # Chunks run in row order and each adds its per-key sums in a fixed order: the result depends on the
+        # inputs and on ``rows`` only. Row slices are views, so the kernel sees chunk-local row numbers.
+        for s in range(0, T, rows):
+            e = min(s + rows, T)
+            _launch(_sparse_attn_bwd_kernel, lambda grid, meta: grid, q[s:e], config,
+                    (q[s:e], kv, idx[s:e], grad_out[s:e], denom2[s:e], delta[s:e], dq[s:e], buf,
+                     H, K, e - s, scale, scale * LOG2E, True))
+            add_rows_by_key(dkv, idx[s:e], buf, num_hb)
+    else:
+        dq.zero_()                                                  # no slots: no keys, zero gradients
+
+
+def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, passes):
+    """Row layouts: the launches ``passes`` of :func:`_sparse_attn_bwd_rows_kernel`, in order."""
+    T, H, D = q.shape
+    K = idx.shape[1]
+    kv_read = kv if kv.shape[0] > 0 else kv.new_zeros(1, D)    # empty slots read row 0 (never used, never written)
+    overrides = {name: config.pop(name) for name in list(config) if isinstance(config[name], dict)}
+    for name in passes:
+        parts = set(name.split("+"))
+        cfg = dict(config, **overrides.get(name, {}))
+        cfg.update(DELTA_PASS="DELTA" in parts, DO_DQ="DQ" in parts, DO_DKV="DKV" in parts,
+                   RELAXED=bool(cfg.get("RELAXED", False)), DKV_BLOCK_D=min(D, cfg.get("DKV_BLOCK_D", D)))
+        for key in ("BLOCK_DK", "BLOCK_DV"):                         # sliced-layout keys: no meaning here
+            cfg.pop(key, None)
+
+        def launch(s, e, buf, det):
+            cfg_det = dict(cfg, DETERMINISTIC=det)
+            _launch(_sparse_attn_bwd_rows_kernel, lambda grid, meta: grid, q[s:e], cfg_det,
+                    (q[s:e], kv_read, idx[s:e], grad_out[s:e], denom2[s:e], delta[s:e], dq[s:e], buf,
+                     H, K, e - s, scale, scale * LOG2E))
+
+        if "DKV" in parts and deterministic:
+            num_hb = triton.cdiv(H, cfg.get("BLOCK_H") or _block_h(H))     # as _launch_args computes it
+            rows = _deterministic_rows(T, num_hb, K, D)
+            buf = torch.empty(max(1, num_hb * rows * K * D), dtype=torch.float32, device=q.device)
+            # Chunks run in row order and each adds its per-key sums in a fixed order (as in _sliced_bwd).
+            for s in range(0, T, rows):
+                e = min(s + rows, T)
+                launch(s, e, buf, True)
+                add_rows_by_key(dkv, idx[s:e], buf, num_hb)
+        else:
+            launch(0, T, dkv, False)
+
+
 class _DeltaKernel:
     """``kernel[grid](...)`` adapter for the Delta pre-pass, which takes no BLOCK_DV."""
 
     def __getitem__(self, grid):
-        def call(*args, BLOCK_DV, **kwargs):
+        def call(*args, BLOCK_DV, RELAXED=False, **kwargs):
             return _sparse_attn_bwd_delta_kernel[grid](*args, **kwargs)
         return call
 
