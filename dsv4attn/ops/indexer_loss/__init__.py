@@ -49,4 +49,9 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
         return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand, scale)
 
 
+try:  # registers the Triton kernels with the backend (used on CUDA); CPU-only installs run the reference
+    from . import triton as _triton_kernels
+except ImportError:
+    _triton_kernels = None
+
 __all__ = ["indexer_kl", "indexer_kl_reference", "indexer_kl_naive", "FLT_MIN"]

@@ -1,0 +1,505 @@
+"""Triton kernels for the indexer KL loss (spec decision 7, ALGORITHM.md section 5), forward and backward.
+
+Same contract as :func:`.reference.indexer_kl_reference`. For query row t, candidate slots j (``S_t``, -1 = empty),
+main heads h and index heads g::
+
+    s_h(j) = scale * <q[t, h], C_j>                 L_h = logaddexp(outside_lse[t, h], logsumexp_j s_h(j))
+    mass(j) = sum_h exp(s_h(j) - L_h)               Z = sum_j mass(j) = sum_h exp(logsumexp_j s_h(j) - L_h)
+    T(j) = mass(j) / max(Z, FLT_MIN)                I(j) = sum_g w[t, g] relu(<qi[t, g], ki_j>)
+    KL_t = sum_j T(j) (log T(j) - log softmax_j I(j))
+    dKL_t / dI(j) = Q(j) * sum_j T - T(j)           (the reference's closed form; sum_j T = Z / max(Z, FLT_MIN))
+
+Z needs only the per-head LSEs (second form), so it is known before any T(j) is formed.
+
+Forward, one program per query row (programs in row order: neighbouring rows share most candidates, in L2):
+
+- *One-block mode* (row width K <= ``ONE_BLOCK_MAX_N``, e.g. the sparse phase's top-k 512): all candidates of the
+  row are one tile of ``BLOCK_N >= K`` gathered rows. The student I(j) is computed first (index heads in blocks of
+  ``BLOCK_HI``), then the teacher head block by head block (``BLOCK_HT`` heads): with every candidate in the tile
+  a head block's L_h is final as soon as its logits are, so each logit is computed exactly once and the gathered
+  compressed rows are read once per head block.
+- *Two-pass mode* (wider rows: the warm-up's every-visible-entry sets): candidates in blocks of ``BLOCK_N``, all
+  heads in one tile; pass 1 keeps online per-head LSEs (teacher) and per-lane online LSEs (student), pass 2
+  recomputes the logits and forms T, the KL terms and dKL/dI. Memory stays linear in T (the candidate rows are
+  materialised one chunk of query rows at a time, see :func:`indexer_kl_triton`).
+
+The forward saves dKL/dI per slot, ``G(j) = Q(j) sum T - T(j)`` (fp32, (T, K)), when K <= ``SAVE_G_MAX_WIDTH``,
+so that the backward does not recompute the teacher (the bulk of the work: H x D per candidate against Hi x Di for
+the student). Wider rows save per-row statistics (log2 of each head's full denominator, the student's LSE, the
+floored Z and sum T) and the backward recomputes T(j) block by block.
+
+Backward, one program per query row: recompute the student dots x[g, j] = <qi[t, g], ki_j>, take
+``dI = grad_kl[t] * G``, then ``d index_weights[t, g] = sum_j dI relu(x)``, ``dx = dI w[t, g] 1[x > 0]``,
+``d index_q[t] = dx @ ki`` (registers) and ``d index_k[j] += dx^T qi[t]`` with **fp32 atomic adds** into a fp32
+(Nc, Di) buffer (first version: simple, but the order of the adds varies, so d index_k differs from run to run in
+its last bits, and atomics are likely what bounds the backward at long T).
+
+Precision: logits, scores, LSEs and KL in fp32. bf16/fp16 operands feed the tensor cores with fp32 accumulation;
+fp32 operands are multiplied in true fp32 (``input_precision="ieee"``, never tf32). In the backward the fp32 ``dx``
+enters the two gradient matmuls as two parts in the input dtype, hi + lo (``SPLIT_DX``; one rounded part, as
+flash-attention rounds dS, is cheaper but less exact). float64 inputs fall back to the reference. No device->host
+sync: widths are host ints, per-row bounds stay on the device. Not yet a registered ``torch.library`` custom op (the
+candidates arrive as an IndexSet, not a tensor): an autograd Function.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from ... import backend
+from ..index_sets import Explicit, IndexSet, chunk_rows
+from .reference import FLT_MIN, indexer_kl_reference
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Forward tiles. ONE_BLOCK_MAX_N: widest row handled as a single candidate tile (BLOCK_N = next power of 2 >= K);
+# BLOCK_N: candidates per step in two-pass mode; BLOCK_HT / BLOCK_HI: main / index heads per tile in one-block mode
+# (two-pass mode puts every main head in one tile); BLOCK_D: contraction chunk of the teacher logits.
+# ONE_BLOCK_MAX_N = 0: one-tile mode is OFF by default. On the H200 (Triton 3.6) every failing check ran it (sparse
+# top-512 and the ragged warm-up pack, whose width is max_seqlen // 4 = 512: BLOCK_N = 512, 64 x 512 fp32 tiles,
+# m64n256 wgmma, the 128 KiB gathered index-key tile sharing shared memory with the teacher tiles) and was wrong
+# (KL error ~ its magnitude), while two-pass mode at the same geometry (warm-up, one document, K = 1024) was right.
+# It is exact under the interpreter, so the cause is not in the formulas; re-enable (512) only after a GPU check.
+FWD_CONFIG = dict(ONE_BLOCK_MAX_N=0, BLOCK_N=64, BLOCK_HT=64, BLOCK_HI=64, BLOCK_D=64, num_warps=8, num_stages=2)
+# Backward tiles: every index head in one tile (d index_q accumulates in registers), BLOCK_N candidates per step.
+# SPLIT_DX: for bf16/fp16 inputs, feed dKL/dx to the gradient matmuls as hi + lo parts (two tensor-core dots each):
+# one bf16-rounded dx alone gives d index_k errors ~3.5x the reference's own (final rounding only) on small tests.
+BWD_CONFIG = dict(BLOCK_N=64, BLOCK_D=64, SPLIT_DX=True, num_warps=8, num_stages=2)
+# Rows at most this wide save dKL/dI (fp32, 4 bytes per slot) for the backward; wider rows recompute the teacher.
+SAVE_G_MAX_WIDTH = 1024
+# int32 candidate slots materialised per chunk of query rows (the sparse phase at T = 32K, K = 512: one chunk).
+INDEX_BUDGET = 1 << 25
+
+
+@triton.jit
+def _dot(a, b, DOT_MODE: tl.constexpr):
+    # 0: fp16/bf16 tensor-core dot, fp32 accumulation. 1: fp32 operands in true fp32 (not tf32). 2: bf16 under the
+    # CPU interpreter, whose bf16 dot is wrong (Triton 3.9): widen to fp32 first (bf16 products are exact in fp32).
+    if DOT_MODE == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    elif DOT_MODE == 2:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _round_to(x, PTR, DOT_MODE: tl.constexpr):
+    # fp32 -> the element dtype of PTR. The interpreter truncates fp32 -> bf16; round to nearest even by hand there
+    # (the result stays fp32 but holds a bf16 value, so a later store or widening dot is exact).
+    if DOT_MODE == 2:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(PTR.dtype.element_ty)
+
+
+@triton.jit
+def _load_slots(IDX, t, K, start, BLOCK_N: tl.constexpr):
+    """Slots start .. start+BLOCK_N of row t: (slot numbers, valid mask, key rows with empty slots at row 0)."""
+    n = start + tl.arange(0, BLOCK_N)
+    idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
+    valid = idx >= 0
+    return n, valid, tl.where(valid, idx, 0).to(tl.int64)
+
+
+@triton.jit
+def _load_keys(KI, rows, valid, Di: tl.constexpr, BLOCK_DI: tl.constexpr):
+    offs_di = tl.arange(0, BLOCK_DI)
+    return tl.load(KI + rows[:, None] * Di + offs_di[None, :], mask=valid[:, None] & (offs_di < Di)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _student_scores2(QI, W, ki, t, valid, Hi: tl.constexpr, Di: tl.constexpr, BLOCK_HI: tl.constexpr,
+                     BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr, DOT_S: tl.constexpr):
+    """log2(e) * I(j) for the gathered keys ``ki`` (BLOCK_N, BLOCK_DI), index heads in blocks; -inf where empty."""
+    offs_di = tl.arange(0, BLOCK_DI)
+    ki_t = tl.trans(ki)
+    score = tl.zeros([BLOCK_N], tl.float32)
+    for g0 in tl.static_range(0, Hi, BLOCK_HI):
+        offs_g = g0 + tl.arange(0, BLOCK_HI)
+        g_ok = offs_g < Hi
+        qi = tl.load(QI + (t * Hi + offs_g[:, None]) * Di + offs_di[None, :],
+                     mask=g_ok[:, None] & (offs_di < Di)[None, :], other=0.0)
+        w = tl.load(W + t * Hi + offs_g, mask=g_ok, other=0.0)
+        x = _dot(qi, ki_t, DOT_S)
+        score += tl.sum(tl.maximum(x, 0.0) * w[:, None], 0)
+    return tl.where(valid, score * 1.4426950408889634, float("-inf"))
+
+
+@triton.jit
+def _teacher_logits2(Q, CKV, t, h0, rows, valid, qk_scale_log2, H: tl.constexpr, D: tl.constexpr,
+                     BLOCK_HT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_T: tl.constexpr):
+    """log2(e) * s_h(j) for heads h0 .. h0+BLOCK_HT and the gathered rows; -inf for empty slots and padded heads."""
+    offs_h = h0 + tl.arange(0, BLOCK_HT)
+    h_ok = offs_h < H
+    offs_d = tl.arange(0, BLOCK_D)
+    s = tl.zeros([BLOCK_HT, BLOCK_N], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d_ok = (d0 + offs_d) < D
+        q_c = tl.load(Q + (t * H + offs_h[:, None]) * D + d0 + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                      other=0.0)
+        c_c = tl.load(CKV + rows[:, None] * D + d0 + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
+                      other=0.0)
+        s += _dot(q_c, tl.trans(c_c), DOT_T)
+    return tl.where(h_ok[:, None] & valid[None, :], s * qk_scale_log2, float("-inf"))
+
+
+@triton.jit
+def _full_denominator2(OUTSIDE, t, h0, m, l, H: tl.constexpr, BLOCK_HT: tl.constexpr):
+    """From a head block's running max ``m`` (finite; 0 for heads without keys) and sum ``l`` of exp2(s - m):
+    log2 of the full denominator logaddexp(outside, lse_S) (-inf only if both are empty) and exp(lse_S - L),
+    the head's attention mass on S_t (0 without keys)."""
+    offs_h = h0 + tl.arange(0, BLOCK_HT)
+    h_ok = offs_h < H
+    has = l > 0
+    lse_s = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+    out2 = tl.load(OUTSIDE + t * H + offs_h, mask=h_ok, other=float("-inf")) * 1.4426950408889634
+    big = tl.maximum(out2, lse_s)
+    big = tl.where(big == float("-inf"), 0.0, big)
+    full = big + tl.log2(tl.exp2(out2 - big) + tl.exp2(lse_s - big))
+    inside = tl.where(has & h_ok, tl.exp2(lse_s - full), 0.0)
+    return full, inside
+
+
+@triton.jit
+def _mass(s2, full):
+    """sum_h exp(s_h(j) - L_h) over a head block ((BLOCK_N,)); exactly 0 for empty slots."""
+    full = tl.where(full == float("-inf"), 0.0, full)         # heads without any key: all their s2 are -inf
+    return tl.sum(tl.exp2(s2 - full[:, None]), 0)
+
+
+@triton.jit
+def _kl_terms(mass, score2, valid, lse_i2, z_floor, sum_t):
+    """Per-slot KL terms T (log T - log Q) and dKL/dI = Q sum T - T, both 0 on empty slots."""
+    target = mass / z_floor
+    log_q = (score2 - lse_i2) * 0.6931471805599453
+    xlogx = tl.where(target > 0, target * tl.log(tl.where(target > 0, target, 1.0)), 0.0)   # xlogy(T, T)
+    terms = tl.where(valid, xlogx - target * log_q, 0.0)
+    d_score = tl.where(valid, tl.exp2(score2 - lse_i2) * sum_t - target, 0.0)
+    return terms, d_score
+
+
+@triton.jit
+def _indexer_kl_fwd_kernel(
+    QI, KI, W, Q, CKV, OUTSIDE, IDX, NEND, KL, FULL2, ROWSTAT, G,
+    K, qk_scale_log2, flt_min,
+    H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
+    BLOCK_D: tl.constexpr, ONE_BLOCK: tl.constexpr, SAVE_G: tl.constexpr, DOT_T: tl.constexpr,
+    DOT_S: tl.constexpr,
+):
+    # FULL2 (rows, H): log2 of each head's full denominator. ROWSTAT (rows, 3): log2 of the student's LSE,
+    # max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; in two-pass mode slots past NEND, the
+    # row's last valid slot + 1, stay unwritten: the backward never reads them).
+    t = tl.program_id(0).to(tl.int64)
+    if ONE_BLOCK:
+        n, valid, rows = _load_slots(IDX, t, K, 0, BLOCK_N)
+        ki = _load_keys(KI, rows, valid, Di, BLOCK_DI)
+        score2 = _student_scores2(QI, W, ki, t, valid, Hi, Di, BLOCK_HI, BLOCK_DI, BLOCK_N, DOT_S)
+        mass = tl.zeros([BLOCK_N], tl.float32)
+        inside = tl.zeros([BLOCK_HT], tl.float32)
+        for h0 in tl.static_range(0, H, BLOCK_HT):
+            # Every candidate is in the tile, so this head block's denominators are final right away.
+            s2 = _teacher_logits2(Q, CKV, t, h0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D,
+                                  DOT_T)
+            m = tl.max(s2, 1)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            full, inside_h = _full_denominator2(OUTSIDE, t, h0, m, tl.sum(tl.exp2(s2 - m[:, None]), 1), H,
+                                                BLOCK_HT)
+            offs_h = h0 + tl.arange(0, BLOCK_HT)
+            tl.store(FULL2 + t * H + offs_h, full, mask=offs_h < H)
+            inside += inside_h
+            mass += _mass(s2, full)
+        m_i = tl.max(score2, 0)
+        m_i = tl.where(m_i == float("-inf"), 0.0, m_i)
+        l_i = tl.sum(tl.exp2(score2 - m_i), 0)
+        lse_i2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        z = tl.sum(inside, 0)
+        z_floor = tl.maximum(z, flt_min)
+        sum_t = z / z_floor
+        terms, d_score = _kl_terms(mass, score2, valid, lse_i2, z_floor, sum_t)
+        if SAVE_G:
+            tl.store(G + t * K + n, d_score, mask=n < K)
+        kl = tl.sum(terms, 0)
+    else:
+        # Pass 1: online per-head LSE of the teacher logits (all heads in one tile: BLOCK_HT >= H) and per-lane
+        # online LSE of the student scores. Blocks past the row's last valid slot are skipped.
+        n_end = tl.load(NEND + t)
+        m_h = tl.full([BLOCK_HT], float("-inf"), tl.float32)
+        l_h = tl.zeros([BLOCK_HT], tl.float32)
+        m_v = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        l_v = tl.zeros([BLOCK_N], tl.float32)
+        for start in range(0, K, BLOCK_N):
+            if start < n_end:
+                n, valid, rows = _load_slots(IDX, t, K, start, BLOCK_N)
+                ki = _load_keys(KI, rows, valid, Di, BLOCK_DI)
+                score2 = _student_scores2(QI, W, ki, t, valid, Hi, Di, BLOCK_HI, BLOCK_DI, BLOCK_N, DOT_S)
+                s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D,
+                                      DOT_T)
+                m_new = tl.maximum(m_h, tl.max(s2, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l_h = l_h * tl.exp2(m_h - m_safe) + tl.sum(tl.exp2(s2 - m_safe[:, None]), 1)
+                m_h = m_new
+                v_new = tl.maximum(m_v, score2)
+                v_safe = tl.where(v_new == float("-inf"), 0.0, v_new)
+                l_v = l_v * tl.exp2(m_v - v_safe) + tl.exp2(score2 - v_safe)
+                m_v = v_new
+        m_h = tl.where(m_h == float("-inf"), 0.0, m_h)
+        full, inside = _full_denominator2(OUTSIDE, t, 0, m_h, l_h, H, BLOCK_HT)
+        offs_h = tl.arange(0, BLOCK_HT)
+        tl.store(FULL2 + t * H + offs_h, full, mask=offs_h < H)
+        m_i = tl.max(m_v, 0)
+        m_i = tl.where(m_i == float("-inf"), 0.0, m_i)
+        l_i = tl.sum(l_v * tl.exp2(m_v - m_i), 0)
+        lse_i2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        z = tl.sum(inside, 0)
+        z_floor = tl.maximum(z, flt_min)
+        sum_t = z / z_floor
+        # Pass 2: recompute both score blocks, form T(j), the KL terms and dKL/dI.
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for start in range(0, K, BLOCK_N):
+            if start < n_end:
+                n, valid, rows = _load_slots(IDX, t, K, start, BLOCK_N)
+                ki = _load_keys(KI, rows, valid, Di, BLOCK_DI)
+                score2 = _student_scores2(QI, W, ki, t, valid, Hi, Di, BLOCK_HI, BLOCK_DI, BLOCK_N, DOT_S)
+                s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D,
+                                      DOT_T)
+                terms, d_score = _kl_terms(_mass(s2, full), score2, valid, lse_i2, z_floor, sum_t)
+                acc += terms
+                if SAVE_G:
+                    tl.store(G + t * K + n, d_score, mask=n < K)
+        kl = tl.sum(acc, 0)
+    tl.store(KL + t, kl)
+    tl.store(ROWSTAT + t * 3, lse_i2)
+    tl.store(ROWSTAT + t * 3 + 1, z_floor)
+    tl.store(ROWSTAT + t * 3 + 2, sum_t)
+
+
+@triton.jit
+def _indexer_kl_bwd_kernel(
+    QI, KI, W, Q, CKV, IDX, NEND, GRAD, G, FULL2, ROWSTAT, DQI, DKI, DW,
+    K, qk_scale_log2,
+    H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_G: tl.constexpr, SPLIT_DX: tl.constexpr, DOT_T: tl.constexpr,
+    DOT_S: tl.constexpr,
+):
+    # DKI: (Nc, Di) fp32, atomic adds. DQI: (rows, Hi, Di) in the dtype of QI. DW: (rows, Hi) fp32.
+    t = tl.program_id(0).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_HI)
+    g_ok = offs_g < Hi
+    offs_di = tl.arange(0, BLOCK_DI)
+    di_ok = offs_di < Di
+    qi = tl.load(QI + (t * Hi + offs_g[:, None]) * Di + offs_di[None, :], mask=g_ok[:, None] & di_ok[None, :],
+                 other=0.0)
+    w = tl.load(W + t * Hi + offs_g, mask=g_ok, other=0.0)
+    grad = tl.load(GRAD + t)
+    n_end = tl.load(NEND + t)
+    if not HAS_G:
+        offs_h = tl.arange(0, BLOCK_HT)
+        full = tl.load(FULL2 + t * H + offs_h, mask=offs_h < H, other=float("-inf"))
+        lse_i2 = tl.load(ROWSTAT + t * 3)
+        z_floor = tl.load(ROWSTAT + t * 3 + 1)
+        sum_t = tl.load(ROWSTAT + t * 3 + 2)
+    dq = tl.zeros([BLOCK_HI, BLOCK_DI], tl.float32)
+    dw = tl.zeros([BLOCK_HI], tl.float32)
+    for start in range(0, K, BLOCK_N):
+        if start < n_end:
+            n, valid, rows = _load_slots(IDX, t, K, start, BLOCK_N)
+            ki = _load_keys(KI, rows, valid, Di, BLOCK_DI)
+            x = _dot(qi, tl.trans(ki), DOT_S)                                  # (BLOCK_HI, BLOCK_N)
+            if HAS_G:
+                d_score = tl.load(G + t * K + n, mask=valid, other=0.0)
+            else:
+                score2 = tl.where(valid, tl.sum(tl.maximum(x, 0.0) * w[:, None], 0) * 1.4426950408889634,
+                                  float("-inf"))
+                s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D,
+                                      DOT_T)
+                _, d_score = _kl_terms(_mass(s2, full), score2, valid, lse_i2, z_floor, sum_t)
+            d_score = d_score * grad
+            dw += tl.sum(tl.maximum(x, 0.0) * d_score[None, :], 1)
+            dx = tl.where(x > 0, w[:, None] * d_score[None, :], 0.0)
+            dx_hi = _round_to(dx, KI, DOT_S)
+            dq += _dot(dx_hi, ki, DOT_S)
+            dk = _dot(tl.trans(dx_hi), qi, DOT_S)                             # (BLOCK_N, BLOCK_DI)
+            if SPLIT_DX:
+                # dx = hi + lo, both in the input dtype: the products keep ~16 mantissa bits of dx instead of 8.
+                dx_lo = _round_to(dx - dx_hi.to(tl.float32), KI, DOT_S)
+                dq += _dot(dx_lo, ki, DOT_S)
+                dk += _dot(tl.trans(dx_lo), qi, DOT_S)
+            # Repeated key rows in a block are fine: every element is its own atomic add.
+            tl.atomic_add(DKI + rows[:, None] * Di + offs_di[None, :], dk, mask=valid[:, None] & di_ok[None, :])
+    tl.store(DQI + (t * Hi + offs_g[:, None]) * Di + offs_di[None, :], _round_to(dq, DQI, DOT_S),
+             mask=g_ok[:, None] & di_ok[None, :])
+    tl.store(DW + t * Hi + offs_g, dw, mask=g_ok)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _dot_mode(dtype: torch.dtype) -> int:
+    return 1 if dtype == torch.float32 else (2 if dtype == torch.bfloat16 and _interpreting() else 0)
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(max(n, 1)))      # tl.dot needs every tile dimension >= 16
+
+
+def _launch(kernel, rows: int, args: tuple, meta: dict, launch: dict, shrink) -> None:
+    """Launch ``kernel`` on one program per row, shrinking the tiles if this GPU's shared memory is too small."""
+    while True:
+        try:
+            kernel[(rows,)](*args, **meta, **launch)
+            return
+        except OutOfResources:
+            if launch["num_stages"] > 1:
+                launch = dict(launch, num_stages=launch["num_stages"] - 1)
+                continue
+            meta = shrink(meta)
+            if meta is None:
+                raise
+
+
+def _fwd_meta(K: int, H: int, D: int, Hi: int, Di: int, cfg: dict) -> dict:
+    one_block = K <= cfg["ONE_BLOCK_MAX_N"]
+    return dict(
+        H=H, D=D, Hi=Hi, Di=Di, ONE_BLOCK=one_block,
+        BLOCK_N=_pow2(K) if one_block else cfg["BLOCK_N"],
+        BLOCK_HT=min(cfg["BLOCK_HT"], _pow2(H)) if one_block else _pow2(H),
+        BLOCK_HI=min(cfg["BLOCK_HI"], _pow2(Hi)),
+        BLOCK_DI=_pow2(Di), BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)))
+
+
+def _fwd_shrink(meta: dict) -> dict | None:
+    if meta["ONE_BLOCK"]:            # smaller head blocks first, then give up the single tile
+        if meta["BLOCK_HT"] > 16:
+            return dict(meta, BLOCK_HT=meta["BLOCK_HT"] // 2, BLOCK_HI=max(16, meta["BLOCK_HI"] // 2))
+        return dict(meta, ONE_BLOCK=False, BLOCK_N=64, BLOCK_HT=_pow2(meta["H"]))
+    if meta["BLOCK_N"] > 16:
+        return dict(meta, BLOCK_N=meta["BLOCK_N"] // 2)
+    return None
+
+
+def _bwd_shrink(meta: dict) -> dict | None:
+    return dict(meta, BLOCK_N=meta["BLOCK_N"] // 2) if meta["BLOCK_N"] > 16 else None
+
+
+def _chunk_slots(candidates: IndexSet, start: int, end: int):
+    """(rows, K) int32 candidate slots of query rows start..end-1 and each row's last valid slot + 1 (int32)."""
+    if isinstance(candidates, Explicit) and not candidates.offset:
+        idx = candidates.indices[start:end]
+        idx = idx if idx.dtype == torch.int32 else idx.to(torch.int32)
+    else:
+        idx = candidates.rows(start, end).to(torch.int32)
+    idx = idx.contiguous()
+    slot = torch.arange(1, idx.shape[1] + 1, dtype=torch.int32, device=idx.device)
+    n_end = torch.where(idx >= 0, slot, 0).amax(dim=1).to(torch.int32)
+    return idx, n_end
+
+
+def _common_dtype(a: torch.Tensor, b: torch.Tensor):
+    """Both operands of one product in one dtype: mixed inputs are widened to fp32 (exact, as the reference)."""
+    return (a, b) if a.dtype == b.dtype else (a.float(), b.float())
+
+
+class _IndexerKLTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: IndexSet,
+                scale: float, config: dict, bwd_config: dict):
+        T, Hi, Di = index_q.shape
+        H, D = q.shape[1:]
+        K = candidates.width
+        qi, ki = (x.contiguous() for x in _common_dtype(index_q, index_k))
+        qm, ckv = (x.contiguous() for x in _common_dtype(q, compressed_kv))
+        w = index_weights.float().contiguous()
+        outside = outside_lse.float().contiguous()
+        if ki.shape[0] == 0:             # every slot is -1; the kernels never read a key, but want a real pointer
+            ki, ckv = ki.new_zeros(1, Di), ckv.new_zeros(1, D)
+        save_g = K <= SAVE_G_MAX_WIDTH and any(ctx.needs_input_grad[:3])
+        kl = torch.empty(T, dtype=torch.float32, device=qi.device)
+        full2 = torch.empty(T, H, dtype=torch.float32, device=qi.device)
+        rowstat = torch.empty(T, 3, dtype=torch.float32, device=qi.device)
+        g_buf = torch.empty(T, K, dtype=torch.float32, device=qi.device) if save_g else kl
+        cfg = dict(config)
+        launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+        meta = dict(_fwd_meta(K, H, D, Hi, Di, cfg), DOT_T=_dot_mode(qm.dtype), DOT_S=_dot_mode(qi.dtype))
+        slots = []
+        for s, e in chunk_rows(T, K, budget=INDEX_BUDGET):
+            idx, n_end = _chunk_slots(candidates, s, e)
+            _launch(_indexer_kl_fwd_kernel, e - s,
+                    (qi[s:e], ki, w[s:e], qm[s:e], ckv, outside[s:e], idx, n_end, kl[s:e], full2[s:e],
+                     rowstat[s:e], g_buf[s:e] if save_g else kl, K, scale * 1.4426950408889634, FLT_MIN),
+                    dict(meta, SAVE_G=save_g), launch, _fwd_shrink)
+            slots.append((s, e, idx, n_end) if save_g else (s, e, None, None))
+        ctx.save_for_backward(qi, ki, w, qm, ckv, full2, rowstat, g_buf if save_g else None)
+        ctx.slots, ctx.candidates, ctx.scale, ctx.bwd_config = slots, candidates, scale, bwd_config
+        ctx.dtypes = (index_q.dtype, index_k.dtype, index_weights.dtype, index_k.shape[0])
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        qi, ki, w, qm, ckv, full2, rowstat, g_buf = ctx.saved_tensors
+        dt_q, dt_k, dt_w, n_keys = ctx.dtypes
+        T, Hi, Di = qi.shape
+        H, D = qm.shape[1:]
+        K = ctx.candidates.width
+        grad = grad_kl.float().contiguous()
+        d_qi = torch.empty_like(qi)
+        d_ki = torch.zeros(ki.shape, dtype=torch.float32, device=ki.device)
+        d_w = torch.empty(T, Hi, dtype=torch.float32, device=qi.device)
+        cfg = dict(ctx.bwd_config)
+        launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+        has_g = g_buf is not None
+        meta = dict(H=H, D=D, Hi=Hi, Di=Di, BLOCK_N=cfg["BLOCK_N"], BLOCK_HT=_pow2(H), BLOCK_HI=_pow2(Hi),
+                    BLOCK_DI=_pow2(Di), BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)), HAS_G=has_g,
+                    SPLIT_DX=bool(cfg.get("SPLIT_DX", True)) and qi.dtype != torch.float32,
+                    DOT_T=_dot_mode(qm.dtype), DOT_S=_dot_mode(qi.dtype))
+        for s, e, idx, n_end in ctx.slots:
+            if idx is None:
+                idx, n_end = _chunk_slots(ctx.candidates, s, e)
+            _launch(_indexer_kl_bwd_kernel, e - s,
+                    (qi[s:e], ki, w[s:e], qm[s:e], ckv, idx, n_end, grad[s:e], g_buf[s:e] if has_g else grad,
+                     full2[s:e], rowstat[s:e], d_qi[s:e], d_ki, d_w[s:e], K, ctx.scale * 1.4426950408889634),
+                    meta, launch, _bwd_shrink)
+        return (d_qi.to(dt_q), d_ki[:n_keys].to(dt_k), d_w.to(dt_w), None, None, None, None, None, None, None)
+
+
+def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
+                      compressed_kv: torch.Tensor, outside_lse: torch.Tensor, candidates: IndexSet, scale: float,
+                      config: dict | None = None, bwd_config: dict | None = None) -> torch.Tensor:
+    """Triton implementation behind :func:`dsv4attn.ops.indexer_kl` (arguments already checked).
+
+    Args:
+        index_q: (T, Hi, Di) indexer queries; index_k: (Nc, Di) indexer keys; index_weights: (T, Hi) head weights
+            (read in fp32). fp16/bf16/fp32; these three get gradients (in their own dtypes).
+        q: (T, H, D) main queries; compressed_kv: (Nc, D) main compressed KV (detached; a dtype differing from
+            ``q``'s widens both to fp32, likewise for ``index_q`` / ``index_k``).
+        outside_lse: (T, H) log attention mass outside S_t (window + sink; -inf allowed), detached, read in fp32.
+        candidates: an :class:`IndexSet` of width K (rows of ``index_k`` / ``compressed_kv``, -1 = empty); any kind
+            (materialised one chunk of query rows at a time).
+        scale: main attention softmax scale.
+        config / bwd_config: tile configurations (default :data:`FWD_CONFIG` / :data:`BWD_CONFIG`).
+    Returns:
+        (T,) fp32 KL per row, 0 for rows with an empty S_t.
+
+    float64 inputs, and empty problems (T = 0 or K = 0), **fall back to the reference**.
+    """
+    tensors = (index_q, index_k, index_weights, q, compressed_kv, outside_lse)
+    if (any(t.dtype not in KERNEL_DTYPES for t in tensors) or index_q.shape[0] == 0 or candidates.width == 0):
+        return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates,
+                                    scale)
+    return _IndexerKLTriton.apply(index_q, index_k, index_weights, q.detach(), compressed_kv.detach(),
+                                  outside_lse.detach(), candidates, float(scale), config or FWD_CONFIG,
+                                  bwd_config or BWD_CONFIG)
+
+
+backend.register_kernel("indexer_kl", indexer_kl_triton)
+
+__all__ = ["indexer_kl_triton", "FWD_CONFIG", "BWD_CONFIG", "SAVE_G_MAX_WIDTH"]

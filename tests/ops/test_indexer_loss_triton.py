@@ -1,0 +1,326 @@
+"""Triton indexer KL loss (forward + backward) vs the float64 reference: CPU interpreter at small shapes, GPU at V4.
+
+The interpreter must be switched on before Triton is first imported, and pytest may already have imported it through
+other test modules, so every kernel run happens in one subprocess (``_worker``) that sets TRITON_INTERPRET=1 first
+and prints its measurements as JSON; the parametrised tests only judge those numbers.
+
+Bounds, per output (KL per row, d index_q, d index_k, d index_weights), max abs error against the float64 reference
+on the same (rounded) inputs:
+- fp32 inputs: within 1e-5 of the largest magnitude (the kernels multiply fp32 in true fp32, never tf32);
+- bf16 / mixed inputs: <= 2x (KL) / 3x (gradients) the error of the reference run on the same low-precision inputs,
+  plus 1e-6 of the largest magnitude (fp32 summation-order noise where the reference's own error is ~0).
+
+Every case draws fresh inputs from its own seed: ragged packs (tests/packs.py) for the warm-up candidate sets
+(VisibleCompressed), random top-k rows with -1 holes, repeated slots (each occurrence counts, as in the reference)
+and empty rows for the sparse ones, some rows with outside_lse = -inf. Both forward modes (one candidate tile; two
+passes over candidate blocks), both backward modes (saved dKL/dI; teacher recomputed) and several query-row chunks
+are exercised.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = ("kl", "d_index_q", "d_index_k", "d_index_weights")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+ONE_BLOCK = dict(ONE_BLOCK_MAX_N=512)          # explicit: the default config no longer uses one-tile mode
+TWO_PASS = dict(ONE_BLOCK_MAX_N=0, BLOCK_N=16)
+
+
+def _case(dtype, kind="explicit", T=16, H=5, D=32, Hi=3, Di=16, Nc=40, K=20, fwd=None, bwd_n=None,
+          save_g=True, budget=None, lengths=None, teacher_dtype=None):
+    return dict(dtype=dtype, kind=kind, T=T, H=H, D=D, Hi=Hi, Di=Di, Nc=Nc, K=K, fwd=fwd or ONE_BLOCK,
+                bwd_n=bwd_n, save_g=save_g, budget=budget, lengths=lengths, teacher_dtype=teacher_dtype)
+
+
+# tests/packs.py's ragged lengths (length 1, < 4, == 4, 4 + 1, not divisible, an empty document) and one document
+# long enough for 17 visible entries, wider than one 16-slot candidate block.
+RAGGED = (1, 3, 4, 0, 5, 9, 30)
+RAGGED_WIDE = (1, 3, 4, 0, 5, 9, 70)
+# The GPU failures' inputs, scaled down (see flash_inputs): one causal document with a top-k of its visible compressed
+# entries (-1 filled at the END of the early rows' candidate lists), and the ragged pack T/8, 3, T/2, rest.
+CAUSAL_T = 96
+RAGGED_GPU = (20, 3, 80, 57)          # T = 160: width 80 // 4 = 20, more than one 16-slot block in two-pass mode
+CASES = {
+    "fp32-topk-one-tile": _case("fp32"),
+    "bf16-topk-one-tile": _case("bf16"),
+    "fp32-topk-two-pass": _case("fp32", K=36, Nc=50, fwd=TWO_PASS),
+    "bf16-topk-two-pass": _case("bf16", K=36, Nc=50, fwd=TWO_PASS),
+    "fp32-topk-head-blocks": _case("fp32", H=20, Hi=20, fwd=dict(BLOCK_HT=16, BLOCK_HI=16)),
+    "fp32-topk-recompute-bwd": _case("fp32", save_g=False, bwd_n=16, K=36, Nc=50),
+    "bf16-topk-recompute-bwd": _case("bf16", save_g=False, bwd_n=16, K=36, Nc=50),
+    "fp32-visible-one-tile": _case("fp32", kind="visible", lengths=RAGGED),
+    "bf16-visible-two-pass-recompute-chunks": _case("bf16", kind="visible", lengths=RAGGED_WIDE, fwd=TWO_PASS,
+                                                    save_g=False, bwd_n=16, budget=9 * 17),
+    "mixed-q-bf16-compressed-kv-fp32": _case("bf16", teacher_dtype="fp32"),
+    "bf16-causal-topk-one-tile": _case("bf16", kind="causal", T=CAUSAL_T, K=20),
+    "bf16-causal-topk-two-pass": _case("bf16", kind="causal", T=CAUSAL_T, K=20, fwd=TWO_PASS),
+    "bf16-causal-topk-default-config": _case("bf16", kind="causal", T=CAUSAL_T, K=20, fwd={}),
+    "bf16-ragged-like-h200-test-one-tile": _case("bf16", kind="visible", lengths=RAGGED_GPU),
+    "bf16-ragged-like-h200-test-two-pass-recompute": _case("bf16", kind="visible", lengths=RAGGED_GPU, fwd=TWO_PASS,
+                                                     save_g=False, bwd_n=16),
+}
+
+
+def _inputs(c, seed):
+    """index_q, index_k, index_weights, q, compressed_kv, outside_lse (float64 values rounded to the case dtypes),
+    candidates (an IndexSet), grad_kl."""
+    from dsv4attn.ops.index_sets import Explicit, VisibleCompressed
+    from tests.packs import build_pack, random_indices
+
+    gen = torch.Generator().manual_seed(seed)
+    dt = DTYPES[c["dtype"]]
+    tdt = DTYPES[c["teacher_dtype"] or c["dtype"]]
+    if c["kind"] == "visible":
+        pack = build_pack(c["lengths"], padding=3)
+        lay = pack.compressed(4)
+        T, Nc = pack.total_rows, lay.capacity
+        cand = VisibleCompressed(lay, T)
+    elif c["kind"] == "causal":                                 # as flash_inputs(mode="sparse"), scaled down
+        pack = build_pack((c["T"],))
+        lay = pack.compressed(4)
+        T, Nc = pack.total_rows, lay.capacity
+        score = torch.rand(T, Nc, generator=gen, dtype=torch.float64)
+        score = score.masked_fill(torch.arange(Nc)[None, :] >= lay.row_visible[:, None], -1.0)
+        top = torch.topk(score, min(c["K"], Nc), dim=1)
+        cand = Explicit(torch.where(top.values >= 0, top.indices, -1).to(torch.int32))
+    else:
+        T, Nc = c["T"], c["Nc"]
+        idx = random_indices(gen, T, Nc, c["K"], hole_frac=0.3, empty_rows=(1, T - 1), dtype=torch.int64)
+        idx[:, 1] = idx[:, 0]                                  # repeated slots: each occurrence counts
+        idx[4:, -3:] = -1                                      # trailing holes (the top-k's -1 fill)
+        cand = Explicit(idx.to(torch.int32))
+    H, D, Hi, Di = c["H"], c["D"], c["Hi"], c["Di"]
+
+    def randn(*shape, std=1.0):
+        return std * torch.randn(*shape, generator=gen, dtype=torch.float64)
+    index_q = randn(T, Hi, Di).to(dt)
+    index_k = randn(Nc, Di).to(dt)
+    index_w = randn(T, Hi, std=0.5).to(dt)
+    q = randn(T, H, D, std=2.0).to(dt)
+    ckv = randn(Nc, D).to(tdt)                                 # another dtype than q: both widen to fp32
+    outside = (randn(T, H) + 1.0).float()
+    outside[2] = -math.inf                                     # no window / sink mass at all
+    outside[5, :2] = -math.inf
+    grad_kl = torch.rand(T, generator=gen, dtype=torch.float64) + 0.5
+    return index_q, index_k, index_w, q, ckv, outside, cand, grad_kl
+
+
+def _run(fn, inputs, widen=False):
+    index_q, index_k, index_w, q, ckv, outside, cand, grad_kl = inputs
+    leaves = [t.detach().clone() for t in (index_q, index_k, index_w)]
+    rest = [q, ckv, outside]
+    if widen:
+        leaves, rest = [t.double() for t in leaves], [t.double() for t in rest]
+    leaves = [t.requires_grad_(True) for t in leaves]
+    kl = fn(*leaves, *rest, cand, q.shape[-1] ** -0.5)
+    (kl.double() * grad_kl).sum().backward()
+    return [kl.detach().double()] + [t.grad.double() for t in leaves]
+
+
+def _compare(kernel, ref_low, exact):
+    result = {}
+    for name, k, r, e in zip(NAMES, kernel, ref_low, exact):
+        result[name] = dict(err_kernel=(k - e).abs().max().item(), err_ref=(r - e).abs().max().item(),
+                            magnitude=e.abs().max().item(), finite=bool(torch.isfinite(k).all()))
+    return result
+
+
+def _worker() -> None:
+    """Runs in the subprocess (TRITON_INTERPRET=1 already set): every case, printed as one JSON object."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from dsv4attn import backend
+    from dsv4attn.ops import indexer_kl
+    from dsv4attn.ops.index_sets import Explicit
+    from dsv4attn.ops.indexer_loss import triton as klt
+    from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
+
+    _empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):       # outputs / saved buffers the kernels must fully write start as NaN
+        t = _empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2 ** 30))
+    _empty_like = torch.empty_like
+
+    def poisoned_empty_like(*args, **kwargs):
+        t = _empty_like(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-(2 ** 30))
+    torch.empty, torch.empty_like = poisoned_empty, poisoned_empty_like
+
+    results = {}
+    for seed, (case_id, c) in enumerate(CASES.items()):
+        inputs = _inputs(c, 100 + seed)
+        fwd = dict(klt.FWD_CONFIG, **c["fwd"])
+        bwd = dict(klt.BWD_CONFIG, **({"BLOCK_N": c["bwd_n"]} if c["bwd_n"] else {}))
+        saved = klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET
+        klt.SAVE_G_MAX_WIDTH = klt.SAVE_G_MAX_WIDTH if c["save_g"] else -1
+        klt.INDEX_BUDGET = c["budget"] or klt.INDEX_BUDGET
+        kernel = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, bwd_config=bwd), inputs)
+        klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET = saved
+        ref_low = _run(indexer_kl_reference, inputs)
+        exact = _run(indexer_kl_reference, inputs, widen=True)
+        results[case_id] = _compare(kernel, ref_low, exact)
+        results[case_id]["width"] = inputs[6].width
+
+    # Edge cases, fp32, one tile: teacher mass ~1e-30 (renormalised), teacher mass below FLT_MIN (exact zeros),
+    # and no compressed entry at all (Nc = 0, every slot -1).
+    edge = {}
+    base = _inputs(CASES["fp32-topk-one-tile"], 7)
+    for name, value in (("tiny_mass", 70.0), ("underflow", 200.0)):
+        inputs = list(base)
+        inputs[5] = torch.full_like(base[5], value)
+        kernel = _run(klt.indexer_kl_triton, inputs)
+        exact = _run(indexer_kl_reference, inputs, widen=True)
+        edge[name] = dict(bounds=_compare(kernel, _run(indexer_kl_reference, inputs), exact),
+                          all_zero=all(bool((t == 0).all()) for t in kernel),
+                          max_kl=kernel[0].max().item())
+    inputs = list(base)
+    inputs[1], inputs[4] = base[1][:0], base[4][:0]
+    inputs[6] = Explicit(torch.full((base[0].shape[0], 3), -1, dtype=torch.int32))
+    kernel = _run(klt.indexer_kl_triton, inputs)
+    edge["no_keys"] = dict(all_zero=all(bool((t == 0).all()) for t in kernel), dk_shape=list(kernel[2].shape))
+    results["edge"] = edge
+
+    # Plumbing: registration, dispatch of the public op, the documented float64 fallback.
+    inputs = _inputs(CASES["bf16-topk-one-tile"], 1)
+    direct = _run(klt.indexer_kl_triton, inputs)
+    backend.set_backend("triton")
+    index_q, index_k, index_w, q, ckv, outside, cand, grad_kl = inputs
+    public = _run(lambda a, b, c_, q_, k_, o_, s_, sc: indexer_kl(a, b, c_, q_, k_, s_, o_, sc), inputs)
+    widened = [t.double() if t.is_floating_point() else t for t in inputs[:6]] + list(inputs[6:])
+    fallback = _run(klt.indexer_kl_triton, widened)
+    backend.set_backend(None)
+    reference = _run(indexer_kl_reference, widened)
+    results["plumbing"] = dict(
+        registered=backend.registered_kernels().count("indexer_kl") == 1
+        and backend.kernel("indexer_kl") is klt.indexer_kl_triton,
+        public_matches_direct=all(torch.equal(a, b) for a, b in zip(public, direct)),
+        fp64_fallback_is_reference=all(torch.equal(a, b) for a, b in zip(fallback, reference)),
+    )
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = "from tests.ops.test_indexer_loss_triton import _worker; _worker()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+def _assert_within_bounds(case_id, measured, low_precision):
+    for name in NAMES:
+        m = measured[name]
+        assert m["finite"], f"{case_id} {name}: NaN/inf in the kernel's result"
+        if low_precision:
+            bound = (3.0 if name != "kl" else 2.0) * m["err_ref"] + 1e-6 * m["magnitude"]
+        else:
+            bound = 1e-5 * max(m["magnitude"], 1e-30)
+        assert m["err_kernel"] <= bound, (
+            f"{case_id} {name}: kernel error {m['err_kernel']:.3e} > bound {bound:.3e} "
+            f"(reference in low precision: {m['err_ref']:.3e}, magnitude {m['magnitude']:.3e})")
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_kernel_matches_float64_reference(interpreted, case_id):
+    _assert_within_bounds(case_id, interpreted[case_id], CASES[case_id]["dtype"] != "fp32")
+
+
+def test_two_pass_cases_span_several_blocks(interpreted):
+    for case_id, c in CASES.items():
+        if c["fwd"] is TWO_PASS:
+            assert interpreted[case_id]["width"] > TWO_PASS["BLOCK_N"], case_id
+
+
+def test_tiny_teacher_mass_is_renormalised(interpreted):
+    m = interpreted["edge"]["tiny_mass"]
+    assert m["max_kl"] > 1e-2, "the ~1e-30 teacher was normalised to sum 1"
+    _assert_within_bounds("tiny_mass", m["bounds"], low_precision=False)
+
+
+def test_teacher_mass_below_flt_min_gives_exact_zeros(interpreted):
+    assert interpreted["edge"]["underflow"]["all_zero"]
+
+
+def test_no_compressed_entries(interpreted):
+    m = interpreted["edge"]["no_keys"]
+    assert m["all_zero"] and m["dk_shape"][0] == 0
+
+
+@pytest.mark.parametrize("check", ["registered", "public_matches_direct", "fp64_fallback_is_reference"])
+def test_plumbing(interpreted, check):
+    assert interpreted["plumbing"][check]
+
+
+# ----------------------------------------------------------------------------------------------- GPU (V4-Flash)
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def flash_inputs(T: int, mode: str, seed: int = 0, device="cuda"):
+    """V4-Flash geometry (H = 64 x D = 512, Hi = 64 x Di = 128), bf16. ``mode`` "sparse": one causal document,
+    candidates = a random top-512 of the visible compressed entries (-1 filled at the end); "warmup": a ragged pack,
+    candidates = every visible entry (VisibleCompressed)."""
+    import dsv4attn
+    from dsv4attn.ops.index_sets import Explicit, VisibleCompressed
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if mode == "sparse":
+        lengths = (T,)
+    else:
+        lengths = (T // 8, 3, T // 2, T - T // 8 - 3 - T // 2)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    pack = dsv4attn.pack_batch(cu, T, max(lengths))
+    lay = pack.compressed(4)
+    Nc = lay.capacity
+    if mode == "sparse":
+        visible = lay.row_visible
+        score = torch.rand(T, Nc, device=device, generator=gen)
+        score = score.masked_fill(torch.arange(Nc, device=device)[None, :] >= visible[:, None], -1.0)
+        top = torch.topk(score, min(512, Nc), dim=1)
+        cand = Explicit(torch.where(top.values >= 0, top.indices, -1).to(torch.int32))
+    else:
+        cand = VisibleCompressed(lay, T)
+
+    def randn(*shape, std=1.0):
+        return (std * torch.randn(*shape, device=device, generator=gen)).to(torch.bfloat16)
+    index_q, index_k = randn(T, 64, 128), randn(Nc, 128)
+    index_w = randn(T, 64, std=64 ** -0.5 * 128 ** -0.5)
+    q, ckv = randn(T, 64, 512), randn(Nc, 512)
+    outside = torch.randn(T, 64, device=device, generator=gen) + 2.0
+    grad_kl = torch.rand(T, device=device, generator=gen, dtype=torch.float64) + 0.5
+    return index_q, index_k, index_w, q, ckv, outside, cand, grad_kl
+
+
+@GPU
+@pytest.mark.parametrize("mode,save_g,fwd", [
+    ("sparse", True, None), ("warmup", True, None), ("warmup", False, None),
+    # one-tile mode (BLOCK_N = 512): wrong on the H200 (Triton 3.6) while exact under the interpreter; kept to
+    # confirm the diagnosis / a future fix (not strict: it passes once one-tile mode is fixed).
+    pytest.param("sparse", True, dict(ONE_BLOCK_MAX_N=512), marks=pytest.mark.xfail(strict=False)),
+], ids=["sparse-T4096", "warmup-T4096", "warmup-T4096-recompute-bwd", "sparse-T4096-one-tile"])
+def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd):
+    from dsv4attn.ops.indexer_loss import triton as klt
+    from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
+
+    inputs = flash_inputs(4096, mode)
+    saved = klt.SAVE_G_MAX_WIDTH
+    klt.SAVE_G_MAX_WIDTH = saved if save_g else -1
+    try:
+        kernel = _run(lambda *a: klt.indexer_kl_triton(*a, config=dict(klt.FWD_CONFIG, **(fwd or {}))), inputs)
+    finally:
+        klt.SAVE_G_MAX_WIDTH = saved
+    measured = _compare(kernel, _run(indexer_kl_reference, inputs), _run(indexer_kl_reference, inputs, widen=True))
+    _assert_within_bounds(f"{mode}-T4096", measured, low_precision=True)
