@@ -17,10 +17,10 @@ reference op's time (PyTorch, same inputs; backward = autograd of its graph) ove
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
+from gpu_timing import peak_mib, time_ms
 
 HBM_GBPS = 4300.0               # device-to-device copy, 4 GiB, measured on the lent H200 (PERFORMANCE.md)
 HEAD_DIM = 512
@@ -45,30 +45,6 @@ def make_inputs(T: int, ratio: int, device, dtype=torch.bfloat16, seed: int = 0)
     bias = torch.randn(ratio, width, device=device, generator=gen)
     grad_out = torch.randn(layout.capacity, HEAD_DIM, device=device, generator=gen).to(dtype)
     return kv, gate, bias, grad_out, layout
-
-
-def time_ms(fn, warmup: int = 3, reps: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def peak_mib(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def run_grads(fn, kv, gate, bias, grad_out, layout):
@@ -177,7 +153,7 @@ def main() -> None:
     if args.check_T:
         for ratio in args.ratio:
             check(args.check_T, ratio, log)
-    log(f"| impl op | shape | ms (median of 20) | GB/s | / {HBM_GBPS:.0f} | peak MiB | x reference |")
+    log(f"| impl op | shape | ms (median of 10) | GB/s | / {HBM_GBPS:.0f} | peak MiB | x reference |")
     log("|---|---|---|---|---|---|---|")
     for ratio in args.ratio:
         for T in args.T:

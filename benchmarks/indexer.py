@@ -13,38 +13,13 @@ warm-up (CUDA events); the kernels are called directly (no argument checks). Run
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
+from gpu_timing import peak_mib, time_ms
 
 MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (PERFORMANCE.md)
 RATIO = 4
-
-
-def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def peak_mib(fn) -> float:
-    """Peak memory above what was allocated before the call (the inputs)."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def make_inputs(T: int, doc_len: int, cfg, seed: int = 0):

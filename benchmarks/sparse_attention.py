@@ -15,10 +15,10 @@ inputs in the same run; the project never depends on it. "peak MiB" is what a ca
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
+from gpu_timing import peak_mib, time_ms
 
 MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (PERFORMANCE.md)
 D, WINDOW, TOPK = 512, 128, 512
@@ -44,30 +44,6 @@ def make_inputs(T: int, device, dtype=torch.bfloat16, seed: int = 0, heads: int 
     sink = torch.randn(H, device=device, generator=gen)
     grad_out = torch.randn(T, H, D, device=device, generator=gen).to(dtype)
     return q, kv, causal_indices(T, device, seed), sink, grad_out
-
-
-def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def peak_mib(fn) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def run_grads(fn, q, kv, idx, sink, grad_out):

@@ -1,0 +1,33 @@
+"""Timing and memory helpers shared by the GPU benchmark scripts (import as ``from gpu_timing import ...``: the
+scripts run as ``python benchmarks/<name>.py``, which puts this folder on the import path)."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs, by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_mib(fn) -> float:
+    """Peak memory of ``fn()`` above what was allocated before the call (the inputs), in MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
