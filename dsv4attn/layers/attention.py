@@ -7,13 +7,13 @@ from torch import nn
 from .. import checks
 from ..checkpoints import load_attention_state_dict
 from ..config import AttentionConfig, check_phase, check_ratio
-from ..ops import indexer_kl, indexer_topk, sparse_attention
+from ..ops import indexer_kl, indexer_topk, inverse_rope, qnorm_rope, sparse_attention
 from ..ops.index_sets import Concat, Explicit, Rows, VisibleCompressed, Window
 from ..packing import PackedBatch, pack_batch
 from ..parallel.frame import single_device_frame
 from ..parallel.setup import context_parallel_frame, halo_rows
 from ..rope import apply_rope, layer_rope_frequencies
-from .common import AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm, rms_norm_unweighted
+from .common import AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm
 from .compressor import Compressor
 from .indexer import Indexer
 
@@ -152,7 +152,7 @@ class HybridAttention(KeepFp32Params):
         self.indexer_loss = None if loss is None else loss.detach()
         if loss is not None:
             out = AttachLoss.apply(out, loss)
-        out = apply_rope(out, pos_q, inv_freq, inverse=True)   # out of place: never a view of `out` (9.1)
+        out = inverse_rope(out, pos_q, inv_freq)   # out of place: never a view of `out` (9.1)
         grouped = self.o_a_proj(out.reshape(T, c.o_groups, H * D // c.o_groups))
         return self.o_b_proj(grouped.reshape(T, c.o_groups * c.o_lora_rank))
 
@@ -165,9 +165,8 @@ class HybridAttention(KeepFp32Params):
         """(qr, q): the normalised low-rank query (T, q_lora_rank) and the RoPE'd queries (T, H, head_dim)."""
         c = self.config
         qr = self.q_a_norm(self.q_a_proj(x))
-        q = rms_norm_unweighted(self.q_b_proj(qr).view(x.shape[0], c.num_attention_heads, c.head_dim),
-                                c.rms_norm_eps)
-        return qr, apply_rope(q, positions, inv_freq)
+        q = self.q_b_proj(qr).view(x.shape[0], c.num_attention_heads, c.head_dim)
+        return qr, qnorm_rope(q, positions, inv_freq, c.rms_norm_eps)   # per-head RMSNorm, then RoPE (3.2)
 
     @torch.no_grad()
     def _outside_lse(self, q, kv, window):

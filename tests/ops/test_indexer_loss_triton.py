@@ -15,6 +15,10 @@ Every case draws fresh inputs from its own seed: ragged packs (tests/packs.py) f
 and empty rows for the sparse ones, some rows with outside_lse = -inf. Both forward modes (one candidate tile; two
 passes over candidate blocks), both backward modes (saved dKL/dI; teacher recomputed) and several query-row chunks
 are exercised.
+
+Explicit candidates run the registered ops ``dsv4attn::indexer_kl`` / ``indexer_kl_backward``, lazy sets the chunked
+autograd Function: the worker checks which path runs, that both give the same bits on the same candidates, and runs
+``torch.library.opcheck`` and ``torch.compile(fullgraph=True)`` on the op path (they run the kernels, so here too).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("kl", "d_index_q", "d_index_k", "d_index_weights")
@@ -206,7 +211,82 @@ def _worker() -> None:
         public_matches_direct=all(torch.equal(a, b) for a, b in zip(public, direct)),
         fp64_fallback_is_reference=all(torch.equal(a, b) for a, b in zip(fallback, reference)),
     )
+    results["op"] = _op_checks(klt, inputs)
     print("RESULTS " + json.dumps(results))
+
+
+# The registered ops, on the small cases: which path runs, bitwise agreement of the two paths, torch.library's checks
+# and torch.compile. Each case once with the saved dKL/dI and once with the backward recomputing the teacher.
+OP_CASES = ("bf16-topk-one-tile", "fp32-topk-two-pass", "mixed-q-bf16-compressed-kv-fp32")
+
+
+def _op_checks(klt, plumbing_inputs) -> dict:
+    """Explicit candidates run the ops ``dsv4attn::indexer_kl`` / ``indexer_kl_backward``; the same candidates
+    behind a lazy view run the chunked autograd Function. Both launch the same kernels, so every output is bitwise
+    equal (the interpreter runs the programs, hence the d index_k atomics, in one order)."""
+    from dsv4attn.ops.index_sets import Explicit, Rows
+
+    out = {}
+    with OpLog() as log:
+        _run(klt.indexer_kl_triton, plumbing_inputs)
+    out["explicit_runs_ops"] = {"dsv4attn.indexer_kl.default", "dsv4attn.indexer_kl_backward.default"} <= log.names
+    lazy_inputs = list(plumbing_inputs)
+    lazy_inputs[6] = Rows(plumbing_inputs[6], 0, plumbing_inputs[6].total_rows)
+    with OpLog() as log:
+        _run(klt.indexer_kl_triton, lazy_inputs)
+    out["lazy_runs_function"] = not any(name.startswith("dsv4attn.indexer_kl") for name in log.names)
+
+    saved = klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET
+    equal = {}
+    for seed, case_id in enumerate(OP_CASES):
+        c = CASES[case_id]
+        fwd = dict(klt.FWD_CONFIG, **c["fwd"])
+        inputs = list(_inputs(c, 300 + seed))
+        lazy = list(inputs)
+        lazy[6] = Rows(inputs[6], 0, inputs[6].total_rows)
+        for save_g in (True, False):
+            klt.SAVE_G_MAX_WIDTH = saved[0] if save_g else -1
+            klt.INDEX_BUDGET = 5 * inputs[6].width                     # the lazy path: chunks of 5 query rows
+            got = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd), inputs)
+            want = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd), lazy)
+            equal[f"{case_id}-{'saved' if save_g else 'recompute'}"] = all(
+                torch.equal(a, b) for a, b in zip(got, want))
+    klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET = saved
+    out["explicit_equals_lazy_bitwise"] = equal
+
+    # torch.library.opcheck: schema, fake kernels, autograd registration, AOT dispatch with dynamic shapes (the
+    # forward's check runs the backward op with the saved dKL/dI; the backward op is checked with the recompute).
+    index_q, index_k, index_w, q, ckv, outside, cand, grad_kl = plumbing_inputs
+    leaves = [t.detach().clone().requires_grad_(True) for t in (index_q, index_k, index_w)]
+    fwd_tiles = [int(klt.FWD_CONFIG[key]) for key in klt.FWD_KEYS]
+    bwd_tiles = [int(klt.BWD_CONFIG[key]) for key in klt.BWD_KEYS]
+    args = (*leaves, q, ckv, outside, cand.indices, 0.25, True, fwd_tiles, bwd_tiles)
+    checks = [torch.library.opcheck(klt.indexer_kl_op, args)]
+    _, full2, rowstat, g, n_end = klt.indexer_kl_op(*args[:7], 0.25, False, fwd_tiles, bwd_tiles)
+    checks.append(torch.library.opcheck(klt.indexer_kl_backward_op,
+                                        (grad_kl.float(), *(t.detach() for t in leaves), q, ckv, cand.indices, n_end,
+                                         full2, rowstat, g, 0.25, bwd_tiles)))
+    out["opcheck"] = all(v == "SUCCESS" for check in checks for v in check.values())
+
+    # torch.compile(fullgraph=True) of the Triton path with Explicit candidates: one node per direction, same bits.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: klt.indexer_kl_triton(*a), fullgraph=True)
+    eager = _run(klt.indexer_kl_triton, plumbing_inputs)
+    out["compile_fullgraph_matches_eager"] = all(torch.equal(a, b)
+                                                 for a, b in zip(_run(compiled, plumbing_inputs), eager))
+    return out
+
+
+class OpLog(TorchDispatchMode):
+    """Records the names of the ops dispatched while active (a custom op shows as one call, its body unseen)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +343,17 @@ def test_no_compressed_entries(interpreted):
 @pytest.mark.parametrize("check", ["registered", "public_matches_direct", "fp64_fallback_is_reference"])
 def test_plumbing(interpreted, check):
     assert interpreted["plumbing"][check]
+
+
+@pytest.mark.parametrize("check", ["explicit_runs_ops", "lazy_runs_function", "opcheck",
+                                   "compile_fullgraph_matches_eager"])
+def test_registered_ops(interpreted, check):
+    assert interpreted["op"][check]
+
+
+@pytest.mark.parametrize("variant", [f"{c}-{g}" for c in OP_CASES for g in ("saved", "recompute")])
+def test_explicit_ops_equal_lazy_function_bitwise(interpreted, variant):
+    assert interpreted["op"]["explicit_equals_lazy_bitwise"][variant]
 
 
 # ----------------------------------------------------------------------------------------------- GPU (V4-Flash)
@@ -326,3 +417,32 @@ def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd):
         klt.SAVE_G_MAX_WIDTH = saved
     measured = _compare(kernel, _run(indexer_kl_reference, inputs), _run(indexer_kl_reference, inputs, widen=True))
     _assert_within_bounds(f"{mode}-T4096", measured, low_precision=True)
+
+
+@GPU
+def test_gpu_compile_fullgraph_and_cuda_graph_match_eager():
+    """The registered ops on the GPU (sparse-phase candidates): torch.compile(fullgraph=True) forward + backward
+    equals eager (bitwise but for d index_k, whose fp32 atomics add in a varying order), and the no-grad forward
+    can be captured in a CUDA graph (no host sync)."""
+    from dsv4attn.ops.indexer_loss import triton as klt
+
+    inputs = flash_inputs(4096, "sparse", seed=1)
+    eager = _run(klt.indexer_kl_triton, inputs)
+    torch._dynamo.reset()
+    compiled = _run(torch.compile(lambda *a: klt.indexer_kl_triton(*a), fullgraph=True), inputs)
+    for name, a, b in zip(NAMES, compiled, eager):
+        if name == "d_index_k":
+            torch.testing.assert_close(a.to(torch.bfloat16), b.to(torch.bfloat16), msg=name)
+        else:
+            assert torch.equal(a, b), name
+    index_q, index_k, index_w, q, ckv, outside, cand, _ = inputs
+    with torch.no_grad():
+        args = (index_q, index_k, index_w, q, ckv, outside, cand, 512 ** -0.5)
+        want = klt.indexer_kl_triton(*args)        # also compiles the no-grad kernel variant (SAVE_G off)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = klt.indexer_kl_triton(*args)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want)

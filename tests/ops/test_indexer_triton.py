@@ -12,6 +12,9 @@ What must hold (spec decision 6):
 - bf16 / fp16 inputs: both sides compute fp32 scores of the same rounded inputs and may order near-ties
   differently, so the *scores* of the chosen sets (float64, from the rounded inputs) are compared instead: same
   -1 pattern, and the i-th best chosen scores agree within SCORE_RTOL of the row's largest |score|.
+- The kernel path is the registered op ``dsv4attn::indexer_topk_ranges``: ``torch.library.opcheck`` passes and
+  ``torch.compile(fullgraph=True)`` of :func:`indexer_topk_triton` returns the eager indices (both run the op, so
+  they run in the interpreter worker too).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.packs import build_pack, random_lengths
 
@@ -184,7 +188,41 @@ def _worker() -> None:
         explicit_set_falls_back=torch.equal(ix_triton.indexer_topk_triton(q, k, w, explicit, 5),
                                             indexer_topk_reference(q, k, w, explicit, 5)),
     )
+
+    # The registered op: the kernel path goes through it, torch.library's own checks (schema, fake kernel,
+    # autograd registration, AOT dispatch with dynamic shapes) pass, with and without an entry table, over several
+    # query chunks and small tiles, and torch.compile(fullgraph=True) of the whole Triton path (IndexSet handling
+    # included) gives the eager indices.
+    plumbing = results["plumbing"]
+    with OpLog() as log:
+        ix_triton.indexer_topk_triton(q, k, w, candidates, 5)
+    plumbing["runs_registered_op"] = "dsv4attn.indexer_topk_ranges.default" in log.names
+    tiles = [SMALL[key] for key in ix_triton.TILE_KEYS]
+    c = CASES["fp32-H5-D32-top4-rows-table"]
+    qt, kt, wt, cand_t, _ = _make(c, 8)
+    opchecks = [torch.library.opcheck(ix_triton.indexer_topk_ranges_op,
+                                      (q, k, w, *ix_triton.contiguous_ranges(candidates), candidates.width, 5, tiles,
+                                       7 * candidates.width)),
+                torch.library.opcheck(ix_triton.indexer_topk_ranges_op,
+                                      (qt, kt, wt, *ix_triton.contiguous_ranges(cand_t), cand_t.width, 4, tiles,
+                                       1 << 20))]
+    plumbing["opcheck"] = all(v == "SUCCESS" for check in opchecks for v in check.values())
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, c_: ix_triton.indexer_topk_triton(a, b, c_, candidates, 5), fullgraph=True)
+    plumbing["compile_fullgraph_matches_eager"] = torch.equal(compiled(q, k, w), direct)
     print("RESULTS " + json.dumps(results))
+
+
+class OpLog(TorchDispatchMode):
+    """Records the names of the ops dispatched while active (a custom op shows as one call, its body unseen)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +252,8 @@ def test_kernel_matches_reference(interpreted, case_id):
 
 
 @pytest.mark.parametrize("check", ["registered", "public_matches_direct", "deterministic",
-                                   "fp64_fallback_is_reference", "explicit_set_falls_back"])
+                                   "fp64_fallback_is_reference", "explicit_set_falls_back", "runs_registered_op",
+                                   "opcheck", "compile_fullgraph_matches_eager"])
 def test_plumbing(interpreted, check):
     assert interpreted["plumbing"][check]
 
@@ -294,3 +333,20 @@ def test_cuda_public_op_uses_triton_and_is_deterministic():
     first = indexer_topk(q, k, w, lay, FLASH_TOPK)
     assert torch.equal(first, indexer_topk_triton(q, k, w, candidates, FLASH_TOPK))
     assert torch.equal(first, indexer_topk(q, k, w, lay, FLASH_TOPK))
+
+
+@needs_cuda
+def test_cuda_compile_fullgraph_and_cuda_graph_match_eager():
+    """The registered op on the GPU: one opaque node under torch.compile, and capturable (no host sync)."""
+    from dsv4attn.ops.indexer.triton import indexer_topk_triton
+    q, k, w, candidates, _ = _flash_inputs(torch.bfloat16, seed=3)
+    eager = indexer_topk_triton(q, k, w, candidates, FLASH_TOPK)          # also compiles the kernel
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b, c: indexer_topk_triton(a, b, c, candidates, FLASH_TOPK), fullgraph=True)
+    assert torch.equal(compiled(q, k, w), eager)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = indexer_topk_triton(q, k, w, candidates, FLASH_TOPK)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

@@ -23,10 +23,18 @@ is O(T * topk + chunk), not O(T^2)):
    deterministic, and equals the reference's stable descending sort. Slots whose score is -inf become -1.
 
 No device->host sync: widths are host ints of the layout, the per-row ranges stay on the device.
+
+The tensor part is the registered custom op ``torch.ops.dsv4attn.indexer_topk_ranges`` (``register_fake`` gives
+the output shape, ``(T, min(topk, width))`` int32, from host ints only), so ``torch.compile(fullgraph=True)`` sees
+one opaque node and CUDA graphs can capture it. The op has no gradient (indices). It runs the kernels, so it needs
+a CUDA device, or the CPU interpreter (``TRITON_INTERPRET=1``). :func:`indexer_topk_triton` keeps the Python
+around it: picking the fast path from the :class:`IndexSet`, the reference fallbacks, and the parts of a
+:class:`Stack` one by one.
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -40,6 +48,8 @@ from .reference import indexer_topk_reference
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # BLOCK_T query rows x BLOCK_E entries per program; benchmarks may pass another config.
 CONFIG = dict(BLOCK_T=64, BLOCK_E=128, num_warps=8, num_stages=3)
+# The order in which the op's ``tiles`` argument lists a config (a custom op's schema takes no dicts).
+TILE_KEYS = ("BLOCK_T", "BLOCK_E", "num_warps", "num_stages")
 # Elements (int64 keys) of one chunk's score buffer: 2^26 keys = 512 MiB.
 KEY_BUDGET = 1 << 26
 # order(-inf): the high half of every empty slot's key (0xFF800000 with the low 31 bits flipped, as int32).
@@ -174,6 +184,45 @@ def _select(keys: torch.Tensor, first: torch.Tensor, table, shift: int, topk: in
     return torch.where(found, entry + shift, torch.full_like(entry, -1)).to(torch.int32)
 
 
+@torch.library.custom_op("dsv4attn::indexer_topk_ranges", mutates_args=())
+def indexer_topk_ranges_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, first: torch.Tensor,
+                           visible: torch.Tensor, table: Optional[torch.Tensor], shift: int, width: int, topk: int,
+                           tiles: list[int], budget: int) -> torch.Tensor:
+    """Top-k over per-row contiguous candidate ranges (the output of :func:`contiguous_ranges`).
+
+    Args:
+        q: (T, Hi, Di) fp16/bf16/fp32; k: (Nk, Di) fp16/bf16/fp32 (a dtype differing from ``q``'s widens both to
+            fp32); weights: (T, Hi), read in fp32.
+        first, visible: (T,) int row t's candidates are layout entries ``first[t] + j`` for ``j < visible[t]``.
+        table: optional (entries,) int map from layout entries to rows of ``k``; shift: added after the map.
+        width: the widest row's candidate count (a host int: the buffer width; ``visible <= width``).
+        topk: k > 0. tiles: the config's values in :data:`TILE_KEYS` order; budget: int64 keys per query chunk.
+    Returns:
+        (T, min(topk, width)) int32 rows of ``k``, best first, ties to the lower entry, -1 = empty.
+    """
+    T = q.shape[0]
+    out_width = min(topk, width)
+    out = torch.full((T, out_width), -1, dtype=torch.int32, device=q.device)
+    if out_width == 0 or T == 0:
+        return out
+    if q.dtype != k.dtype:       # the reference multiplies in fp32 then: both widen exactly
+        q, k = q.float(), k.float()
+    q, k, w = q.contiguous(), k.contiguous(), weights.float().contiguous()
+    first, visible = first.contiguous(), visible.contiguous()
+    table = None if table is None else table.contiguous()
+    config = dict(zip(TILE_KEYS, tiles))
+    with backend.exact_math(q.device):
+        for s, e in chunk_rows(T, width, budget=budget):
+            keys = _score_keys(q[s:e], k, w[s:e], first[s:e], visible[s:e], table, shift, width, config)
+            out[s:e] = _select(keys, first[s:e], table, shift, out_width)
+    return out
+
+
+@indexer_topk_ranges_op.register_fake
+def _indexer_topk_ranges_fake(q, k, weights, first, visible, table, shift, width, topk, tiles, budget):
+    return q.new_empty((q.shape[0], min(topk, width)), dtype=torch.int32)
+
+
 def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, candidates: IndexSet,
                         topk: int, config: dict | None = None, budget: int | None = None) -> torch.Tensor:
     """Triton implementation behind :func:`dsv4attn.ops.indexer_topk` (arguments already checked).
@@ -183,7 +232,7 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
         k: (Nc, Di) indexer keys (fp16/bf16/fp32; cast to fp32 with ``q`` if the dtypes differ).
         weights: (T, Hi) per-head weights (read in fp32).
         candidates: an :class:`IndexSet`; :class:`VisibleCompressed`, a :class:`Rows` view of one, or a
-            :class:`Stack` of those runs the kernel, anything else the reference.
+            :class:`Stack` of those runs the kernel (the registered op, once per part), anything else the reference.
         topk: k > 0.
         config: tile configuration (default :data:`CONFIG`); budget: int64 keys per chunk (default
             :data:`KEY_BUDGET`).
@@ -205,23 +254,11 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     if ranges is None or torch.float64 in (q.dtype, k.dtype, weights.dtype) or q.dtype not in KERNEL_DTYPES:
         return indexer_topk_reference(q, k, weights, candidates, topk)
     first, visible, table, shift = ranges
-    T = q.shape[0]
-    width = candidates.width
-    out_width = min(topk, width)
-    out = torch.full((T, out_width), -1, dtype=torch.int32, device=q.device)
-    if out_width == 0 or T == 0:
-        return out
-    if q.dtype != k.dtype:       # the reference multiplies in fp32 then: both widen exactly
-        q, k = q.float(), k.float()
-    q, k, w = q.contiguous(), k.contiguous(), weights.float().contiguous()
-    table = None if table is None else table.contiguous()
-    config = config or CONFIG
-    for s, e in chunk_rows(T, width, budget=budget or KEY_BUDGET):
-        keys = _score_keys(q[s:e], k, w[s:e], first[s:e], visible[s:e], table, shift, width, config)
-        out[s:e] = _select(keys, first[s:e], table, shift, out_width)
-    return out
+    config = dict(CONFIG, **(config or {}))
+    return indexer_topk_ranges_op(q, k, weights, first, visible, table, shift, candidates.width, topk,
+                                  [int(config[key]) for key in TILE_KEYS], budget or KEY_BUDGET)
 
 
 backend.register_kernel("indexer_topk", indexer_topk_triton)
 
-__all__ = ["indexer_topk_triton", "contiguous_ranges"]
+__all__ = ["indexer_topk_triton", "indexer_topk_ranges_op", "contiguous_ranges", "TILE_KEYS"]

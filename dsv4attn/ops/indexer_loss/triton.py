@@ -38,8 +38,16 @@ Precision: logits, scores, LSEs and KL in fp32. bf16/fp16 operands feed the tens
 fp32 operands are multiplied in true fp32 (``input_precision="ieee"``, never tf32). In the backward the fp32 ``dx``
 enters the two gradient matmuls as two parts in the input dtype, hi + lo (``SPLIT_DX``; one rounded part, as
 flash-attention rounds dS, is cheaper but less exact). float64 inputs fall back to the reference. No device->host
-sync: widths are host ints, per-row bounds stay on the device. Not yet a registered ``torch.library`` custom op (the
-candidates arrive as an IndexSet, not a tensor): an autograd Function.
+sync: widths are host ints, per-row bounds stay on the device.
+
+Materialised (T, K) candidates (:class:`Explicit`: the sparse phase's top-k) run as the registered custom ops
+``torch.ops.dsv4attn.indexer_kl`` / ``indexer_kl_backward`` (``register_fake`` + ``register_autograd``: gradients
+to index_q, index_k and index_weights only), so ``torch.compile(fullgraph=True)`` sees one opaque node per
+direction and CUDA graphs can capture them. Lazy index sets (the warm-up's every-visible-entry sets, up to
+``max_seqlen // 4`` wide) keep an autograd Function that materialises them one chunk of query rows at a time, in
+both directions: a custom op would have to take (and save) the whole (T, K) tensor. Both paths launch the same
+kernels through the same helpers, so they give the same bits. The kernels need a CUDA device, or the CPU
+interpreter (``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
@@ -72,6 +80,9 @@ BWD_CONFIG = dict(BLOCK_N=64, BLOCK_D=64, SPLIT_DX=True, num_warps=8, num_stages
 SAVE_G_MAX_WIDTH = 1024
 # int32 candidate slots materialised per chunk of query rows (the sparse phase at T = 32K, K = 512: one chunk).
 INDEX_BUDGET = 1 << 25
+# The order in which the ops' ``fwd_tiles`` / ``bwd_tiles`` arguments list a config (custom op schemas take no dicts).
+FWD_KEYS = ("ONE_BLOCK_MAX_N", "BLOCK_N", "BLOCK_HT", "BLOCK_HI", "BLOCK_D", "num_warps", "num_stages")
+BWD_KEYS = ("BLOCK_N", "BLOCK_D", "SPLIT_DX", "num_warps", "num_stages")
 
 
 @triton.jit
@@ -196,7 +207,7 @@ def _indexer_kl_fwd_kernel(
 ):
     # FULL2 (rows, H): log2 of each head's full denominator. ROWSTAT (rows, 3): log2 of the student's LSE,
     # max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; in two-pass mode slots past NEND, the
-    # row's last valid slot + 1, stay unwritten: the backward never reads them).
+    # row's last valid slot + 1, are not written: the backward never reads them, the launcher zero-fills G).
     t = tl.program_id(0).to(tl.int64)
     if ONE_BLOCK:
         n, valid, rows = _load_slots(IDX, t, K, 0, BLOCK_N)
@@ -391,17 +402,22 @@ def _bwd_shrink(meta: dict) -> dict | None:
     return dict(meta, BLOCK_N=meta["BLOCK_N"] // 2) if meta["BLOCK_N"] > 16 else None
 
 
-def _chunk_slots(candidates: IndexSet, start: int, end: int):
-    """(rows, K) int32 candidate slots of query rows start..end-1 and each row's last valid slot + 1 (int32)."""
-    if isinstance(candidates, Explicit) and not candidates.offset:
-        idx = candidates.indices[start:end]
-        idx = idx if idx.dtype == torch.int32 else idx.to(torch.int32)
-    else:
-        idx = candidates.rows(start, end).to(torch.int32)
-    idx = idx.contiguous()
+def _row_ends(idx: torch.Tensor) -> torch.Tensor:
+    """(rows,) int32: each row's last valid slot + 1 (0 for a row without candidates)."""
     slot = torch.arange(1, idx.shape[1] + 1, dtype=torch.int32, device=idx.device)
-    n_end = torch.where(idx >= 0, slot, 0).amax(dim=1).to(torch.int32)
-    return idx, n_end
+    return torch.where(idx >= 0, slot, 0).amax(dim=1).to(torch.int32)
+
+
+def _chunk_slots(candidates: IndexSet, start: int, end: int):
+    """(rows, K) int32 candidate slots of query rows start..end-1, materialised, and their row ends."""
+    idx = candidates.rows(start, end).to(torch.int32).contiguous()
+    return idx, _row_ends(idx)
+
+
+def _lazy_chunks(candidates: IndexSet, ranges):
+    """``(start, end, idx, n_end)`` of each query-row range, materialised one range at a time."""
+    for s, e in ranges:
+        yield (s, e, *_chunk_slots(candidates, s, e))
 
 
 def _common_dtype(a: torch.Tensor, b: torch.Tensor):
@@ -409,37 +425,170 @@ def _common_dtype(a: torch.Tensor, b: torch.Tensor):
     return (a, b) if a.dtype == b.dtype else (a.float(), b.float())
 
 
+def _operands(index_q, index_k, index_weights, q, compressed_kv):
+    """What the kernels read: (qi, ki, w, qm, ckv), contiguous, one dtype per product, weights in fp32. Empty key
+    tensors become one zero row: every slot is then -1, the kernels never read a key but want a real pointer."""
+    qi, ki = (x.contiguous() for x in _common_dtype(index_q, index_k))
+    qm, ckv = (x.contiguous() for x in _common_dtype(q, compressed_kv))
+    if ki.shape[0] == 0:
+        ki, ckv = ki.new_zeros(1, ki.shape[1]), ckv.new_zeros(1, ckv.shape[1])
+    return qi, ki, index_weights.float().contiguous(), qm, ckv
+
+
+def _split_launch(config: dict) -> tuple[dict, dict]:
+    cfg = dict(config)
+    return cfg, dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+
+
+def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict):
+    """The forward kernel over ``chunks``, ``(start, end, idx (rows, K) int32, n_end (rows,) int32)`` each.
+
+    Returns kl (T,), full2 (T, H), rowstat (T, 3) and G (T, K) (None unless ``save_g``), all fp32.
+    """
+    qi, ki, w, qm, ckv = operands
+    T, Hi, Di = qi.shape
+    H, D = qm.shape[1:]
+    outside = outside_lse.float().contiguous()
+    kl = torch.empty(T, dtype=torch.float32, device=qi.device)
+    full2 = torch.empty(T, H, dtype=torch.float32, device=qi.device)
+    rowstat = torch.empty(T, 3, dtype=torch.float32, device=qi.device)
+    # Zeros, not empty: two-pass mode skips the slots past a row's last valid one, and the op's outputs must be
+    # defined everywhere (the backward never reads them; one memset of T x K fp32).
+    g_buf = torch.zeros(T, K, dtype=torch.float32, device=qi.device) if save_g else None
+    cfg, launch = _split_launch(config)
+    meta = dict(_fwd_meta(K, H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=_dot_mode(qm.dtype), DOT_S=_dot_mode(qi.dtype))
+    for s, e, idx, n_end in chunks:
+        _launch(_indexer_kl_fwd_kernel, e - s,
+                (qi[s:e], ki, w[s:e], qm[s:e], ckv, outside[s:e], idx, n_end, kl[s:e], full2[s:e], rowstat[s:e],
+                 g_buf[s:e] if save_g else kl, K, scale * 1.4426950408889634, FLT_MIN),
+                meta, launch, _fwd_shrink)
+    return kl, full2, rowstat, g_buf
+
+
+def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale: float, config: dict):
+    """The backward kernel over ``chunks`` (as :func:`_kl_forward`'s); ``g_buf`` None recomputes the teacher.
+
+    Returns d index_q in ``qi``'s dtype, d index_k fp32 with ``ki``'s rows, d index_weights fp32.
+    """
+    qi, ki, w, qm, ckv = operands
+    T, Hi, Di = qi.shape
+    H, D = qm.shape[1:]
+    grad = grad_kl.float().contiguous()
+    d_qi = torch.empty_like(qi)
+    d_ki = torch.zeros(ki.shape, dtype=torch.float32, device=ki.device)
+    d_w = torch.empty(T, Hi, dtype=torch.float32, device=qi.device)
+    cfg, launch = _split_launch(config)
+    has_g = g_buf is not None
+    meta = dict(H=H, D=D, Hi=Hi, Di=Di, BLOCK_N=cfg["BLOCK_N"], BLOCK_HT=_pow2(H), BLOCK_HI=_pow2(Hi),
+                BLOCK_DI=_pow2(Di), BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)), HAS_G=has_g,
+                SPLIT_DX=bool(cfg.get("SPLIT_DX", True)) and qi.dtype != torch.float32,
+                DOT_T=_dot_mode(qm.dtype), DOT_S=_dot_mode(qi.dtype))
+    for s, e, idx, n_end in chunks:
+        _launch(_indexer_kl_bwd_kernel, e - s,
+                (qi[s:e], ki, w[s:e], qm[s:e], ckv, idx, n_end, grad[s:e], g_buf[s:e] if has_g else grad,
+                 full2[s:e], rowstat[s:e], d_qi[s:e], d_ki, d_w[s:e], K, scale * 1.4426950408889634),
+                meta, launch, _bwd_shrink)
+    return d_qi, d_ki, d_w
+
+
+# ------------------------------------------------------------------------ materialised candidates: custom ops
+@torch.library.custom_op("dsv4attn::indexer_kl", mutates_args=())
+def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
+                  compressed_kv: torch.Tensor, outside_lse: torch.Tensor, candidates: torch.Tensor, scale: float,
+                  save_g: bool, fwd_tiles: list[int],
+                  bwd_tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward of :func:`indexer_kl_triton` for (T, K) int32 candidates (-1 = empty, K >= 1), arguments checked.
+
+    Returns kl (T,) fp32 and what the backward reads: full2 (T, H) and rowstat (T, 3) fp32 (see
+    ``_indexer_kl_fwd_kernel``), G = dKL/dI (T, K) fp32 when ``save_g`` (else (0, K)) and each row's last valid
+    slot + 1, (T,) int32. ``fwd_tiles`` / ``bwd_tiles``: the configs' values in :data:`FWD_KEYS` /
+    :data:`BWD_KEYS` order; ``bwd_tiles`` is only kept for the backward.
+    """
+    T, K = candidates.shape
+    idx = candidates.to(torch.int32).contiguous()
+    n_end = _row_ends(idx)
+    with backend.exact_math(index_q.device):
+        kl, full2, rowstat, g_buf = _kl_forward(_operands(index_q, index_k, index_weights, q, compressed_kv),
+                                                outside_lse, [(0, T, idx, n_end)] if T else [], K, scale, save_g,
+                                                dict(zip(FWD_KEYS, fwd_tiles)))
+    if g_buf is None:
+        g_buf = kl.new_empty(0, K)
+    return kl, full2, rowstat, g_buf, n_end
+
+
+@indexer_kl_op.register_fake
+def _indexer_kl_fake(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates, scale, save_g,
+                     fwd_tiles, bwd_tiles):
+    T, K = candidates.shape
+    f32 = dict(dtype=torch.float32)
+    return (index_q.new_empty(T, **f32), index_q.new_empty(T, q.shape[1], **f32), index_q.new_empty(T, 3, **f32),
+            index_q.new_empty(T if save_g else 0, K, **f32), index_q.new_empty(T, dtype=torch.int32))
+
+
+@torch.library.custom_op("dsv4attn::indexer_kl_backward", mutates_args=())
+def indexer_kl_backward_op(grad_kl: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+                           index_weights: torch.Tensor, q: torch.Tensor, compressed_kv: torch.Tensor,
+                           candidates: torch.Tensor, n_end: torch.Tensor, full2: torch.Tensor, rowstat: torch.Tensor,
+                           g: torch.Tensor, scale: float,
+                           bwd_tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """d index_q, d index_k, d index_weights (in their own dtypes) from the forward's saved state.
+
+    ``g`` with T rows: the saved dKL/dI is used; with 0 rows the teacher is recomputed from ``full2`` / ``rowstat``.
+    d index_k is accumulated with fp32 atomics (its last bits vary from run to run on a GPU).
+    """
+    T, K = candidates.shape
+    idx = candidates.to(torch.int32).contiguous()
+    with backend.exact_math(index_q.device):
+        d_qi, d_ki, d_w = _kl_backward(grad_kl, _operands(index_q, index_k, index_weights, q, compressed_kv), full2,
+                                       rowstat, g if g.shape[0] == T else None,
+                                       [(0, T, idx, n_end.contiguous())] if T else [], K, scale,
+                                       dict(zip(BWD_KEYS, bwd_tiles)))
+    return d_qi.to(index_q.dtype), d_ki[:index_k.shape[0]].to(index_k.dtype), d_w.to(index_weights.dtype)
+
+
+@indexer_kl_backward_op.register_fake
+def _indexer_kl_backward_fake(grad_kl, index_q, index_k, index_weights, q, compressed_kv, candidates, n_end, full2,
+                              rowstat, g, scale, bwd_tiles):
+    return (index_q.new_empty(index_q.shape), index_k.new_empty(index_k.shape),
+            index_weights.new_empty(index_weights.shape))
+
+
+def _setup_context(ctx, inputs, output):
+    index_q, index_k, index_weights, q, compressed_kv, _, candidates, scale, _, _, bwd_tiles = inputs
+    _, full2, rowstat, g, n_end = output
+    ctx.save_for_backward(index_q, index_k, index_weights, q, compressed_kv, candidates, n_end, full2, rowstat, g)
+    ctx.scale, ctx.bwd_tiles = scale, bwd_tiles
+    ctx.mark_non_differentiable(full2, rowstat, g, n_end)
+
+
+def _backward(ctx, grad_kl, *_grad_state):
+    index_q = ctx.saved_tensors[0]
+    if grad_kl is None:
+        grad_kl = index_q.new_zeros(index_q.shape[0], dtype=torch.float32)
+    d_qi, d_ki, d_w = indexer_kl_backward_op(grad_kl, *ctx.saved_tensors, ctx.scale, ctx.bwd_tiles)
+    # No gradient to q, compressed_kv, outside_lse (the teacher is detached), candidates or the host arguments.
+    return d_qi, d_ki, d_w, None, None, None, None, None, None, None, None
+
+
+indexer_kl_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------- lazy index sets: chunk by chunk
 class _IndexerKLTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: IndexSet,
                 scale: float, config: dict, bwd_config: dict):
-        T, Hi, Di = index_q.shape
-        H, D = q.shape[1:]
-        K = candidates.width
-        qi, ki = (x.contiguous() for x in _common_dtype(index_q, index_k))
-        qm, ckv = (x.contiguous() for x in _common_dtype(q, compressed_kv))
-        w = index_weights.float().contiguous()
-        outside = outside_lse.float().contiguous()
-        if ki.shape[0] == 0:             # every slot is -1; the kernels never read a key, but want a real pointer
-            ki, ckv = ki.new_zeros(1, Di), ckv.new_zeros(1, D)
+        T, K = index_q.shape[0], candidates.width
+        operands = _operands(index_q, index_k, index_weights, q, compressed_kv)
         save_g = K <= SAVE_G_MAX_WIDTH and any(ctx.needs_input_grad[:3])
-        kl = torch.empty(T, dtype=torch.float32, device=qi.device)
-        full2 = torch.empty(T, H, dtype=torch.float32, device=qi.device)
-        rowstat = torch.empty(T, 3, dtype=torch.float32, device=qi.device)
-        g_buf = torch.empty(T, K, dtype=torch.float32, device=qi.device) if save_g else kl
-        cfg = dict(config)
-        launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-        meta = dict(_fwd_meta(K, H, D, Hi, Di, cfg), DOT_T=_dot_mode(qm.dtype), DOT_S=_dot_mode(qi.dtype))
-        slots = []
-        for s, e in chunk_rows(T, K, budget=INDEX_BUDGET):
-            idx, n_end = _chunk_slots(candidates, s, e)
-            _launch(_indexer_kl_fwd_kernel, e - s,
-                    (qi[s:e], ki, w[s:e], qm[s:e], ckv, outside[s:e], idx, n_end, kl[s:e], full2[s:e],
-                     rowstat[s:e], g_buf[s:e] if save_g else kl, K, scale * 1.4426950408889634, FLT_MIN),
-                    dict(meta, SAVE_G=save_g), launch, _fwd_shrink)
-            slots.append((s, e, idx, n_end) if save_g else (s, e, None, None))
-        ctx.save_for_backward(qi, ki, w, qm, ckv, full2, rowstat, g_buf if save_g else None)
-        ctx.slots, ctx.candidates, ctx.scale, ctx.bwd_config = slots, candidates, scale, bwd_config
+        ranges = list(chunk_rows(T, K, budget=INDEX_BUDGET))
+        # With a saved dKL/dI (rows at most SAVE_G_MAX_WIDTH wide) the backward reuses the materialised chunks;
+        # otherwise only one chunk exists at a time, in either direction.
+        chunks = list(_lazy_chunks(candidates, ranges)) if save_g else _lazy_chunks(candidates, ranges)
+        kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, chunks, K, scale, save_g, config)
+        ctx.save_for_backward(*operands, full2, rowstat, g_buf)
+        ctx.chunks, ctx.ranges = (chunks if save_g else None), ranges
+        ctx.candidates, ctx.scale, ctx.bwd_config = candidates, scale, bwd_config
         ctx.dtypes = (index_q.dtype, index_k.dtype, index_weights.dtype, index_k.shape[0])
         return kl
 
@@ -447,28 +596,15 @@ class _IndexerKLTriton(torch.autograd.Function):
     def backward(ctx, grad_kl):
         qi, ki, w, qm, ckv, full2, rowstat, g_buf = ctx.saved_tensors
         dt_q, dt_k, dt_w, n_keys = ctx.dtypes
-        T, Hi, Di = qi.shape
-        H, D = qm.shape[1:]
-        K = ctx.candidates.width
-        grad = grad_kl.float().contiguous()
-        d_qi = torch.empty_like(qi)
-        d_ki = torch.zeros(ki.shape, dtype=torch.float32, device=ki.device)
-        d_w = torch.empty(T, Hi, dtype=torch.float32, device=qi.device)
-        cfg = dict(ctx.bwd_config)
-        launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-        has_g = g_buf is not None
-        meta = dict(H=H, D=D, Hi=Hi, Di=Di, BLOCK_N=cfg["BLOCK_N"], BLOCK_HT=_pow2(H), BLOCK_HI=_pow2(Hi),
-                    BLOCK_DI=_pow2(Di), BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)), HAS_G=has_g,
-                    SPLIT_DX=bool(cfg.get("SPLIT_DX", True)) and qi.dtype != torch.float32,
-                    DOT_T=_dot_mode(qm.dtype), DOT_S=_dot_mode(qi.dtype))
-        for s, e, idx, n_end in ctx.slots:
-            if idx is None:
-                idx, n_end = _chunk_slots(ctx.candidates, s, e)
-            _launch(_indexer_kl_bwd_kernel, e - s,
-                    (qi[s:e], ki, w[s:e], qm[s:e], ckv, idx, n_end, grad[s:e], g_buf[s:e] if has_g else grad,
-                     full2[s:e], rowstat[s:e], d_qi[s:e], d_ki, d_w[s:e], K, ctx.scale * 1.4426950408889634),
-                    meta, launch, _bwd_shrink)
+        chunks = ctx.chunks if ctx.chunks is not None else _lazy_chunks(ctx.candidates, ctx.ranges)
+        d_qi, d_ki, d_w = _kl_backward(grad_kl, (qi, ki, w, qm, ckv), full2, rowstat, g_buf, chunks,
+                                       ctx.candidates.width, ctx.scale, ctx.bwd_config)
         return (d_qi.to(dt_q), d_ki[:n_keys].to(dt_k), d_w.to(dt_w), None, None, None, None, None, None, None)
+
+
+def _tiles(config: dict | None, default: dict, keys: tuple[str, ...]) -> list[int]:
+    merged = dict(default, **(config or {}))
+    return [int(merged[key]) for key in keys]
 
 
 def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
@@ -482,8 +618,9 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
         q: (T, H, D) main queries; compressed_kv: (Nc, D) main compressed KV (detached; a dtype differing from
             ``q``'s widens both to fp32, likewise for ``index_q`` / ``index_k``).
         outside_lse: (T, H) log attention mass outside S_t (window + sink; -inf allowed), detached, read in fp32.
-        candidates: an :class:`IndexSet` of width K (rows of ``index_k`` / ``compressed_kv``, -1 = empty); any kind
-            (materialised one chunk of query rows at a time).
+        candidates: an :class:`IndexSet` of width K (rows of ``index_k`` / ``compressed_kv``, -1 = empty).
+            :class:`Explicit` runs the registered ops; any other kind is materialised one chunk of query rows at a
+            time.
         scale: main attention softmax scale.
         config / bwd_config: tile configurations (default :data:`FWD_CONFIG` / :data:`BWD_CONFIG`).
     Returns:
@@ -495,11 +632,19 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
     if (any(t.dtype not in KERNEL_DTYPES for t in tensors) or index_q.shape[0] == 0 or candidates.width == 0):
         return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates,
                                     scale)
-    return _IndexerKLTriton.apply(index_q, index_k, index_weights, q.detach(), compressed_kv.detach(),
-                                  outside_lse.detach(), candidates, float(scale), config or FWD_CONFIG,
-                                  bwd_config or BWD_CONFIG)
+    fwd_tiles, bwd_tiles = _tiles(config, FWD_CONFIG, FWD_KEYS), _tiles(bwd_config, BWD_CONFIG, BWD_KEYS)
+    q, compressed_kv, outside_lse = q.detach(), compressed_kv.detach(), outside_lse.detach()
+    if isinstance(candidates, Explicit):       # the sparse phase's top-k
+        idx = candidates.rows(0, candidates.total_rows) if candidates.offset else candidates.indices
+        save_g = (candidates.width <= SAVE_G_MAX_WIDTH and torch.is_grad_enabled()
+                  and any(t.requires_grad for t in (index_q, index_k, index_weights)))
+        return indexer_kl_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, idx.to(torch.int32),
+                             float(scale), save_g, fwd_tiles, bwd_tiles)[0]
+    return _IndexerKLTriton.apply(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates,
+                                  float(scale), dict(zip(FWD_KEYS, fwd_tiles)), dict(zip(BWD_KEYS, bwd_tiles)))
 
 
 backend.register_kernel("indexer_kl", indexer_kl_triton)
 
-__all__ = ["indexer_kl_triton", "FWD_CONFIG", "BWD_CONFIG", "SAVE_G_MAX_WIDTH"]
+__all__ = ["indexer_kl_triton", "indexer_kl_op", "indexer_kl_backward_op", "FWD_CONFIG", "BWD_CONFIG", "FWD_KEYS",
+           "BWD_KEYS", "SAVE_G_MAX_WIDTH"]

@@ -1,0 +1,78 @@
+"""Query RMSNorm + RoPE and the output inverse RoPE of the attention layer, as fused elementwise ops.
+
+``qnorm_rope`` is steps 4-5 of the query path (spec ALGORITHM.md section 3.2): per-head unweighted RMSNorm, then
+interleaved partial RoPE on the last ``rope_dim`` channels. ``inverse_rope`` is step 1 of section 3.7: the
+attention output rotated back by ``-angle`` at the query's position, out of place (invariant 9.1). On CUDA each is
+one pass over the (T, H, D) tensor in the forward and one in the backward (``triton.py``); elsewhere, and for
+float64, the reference (``reference.py``: the layer's former code) runs.
+"""
+from __future__ import annotations
+
+import torch
+
+from ... import backend, checks
+from .reference import inverse_rope_reference, qnorm_rope_reference
+
+_INTEGERS = (torch.int32, torch.int64)
+
+
+def _check(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    checks.check_tensor("x", x, dim=3, dtypes=checks.FLOATS)
+    checks.check_tensor("positions", positions, shape=(x.shape[0],), dtypes=_INTEGERS, device=x.device)
+    checks.check_tensor("inv_freq", inv_freq, dim=1, dtypes=(torch.float32, torch.float64))
+    rope_dim = 2 * inv_freq.shape[0]
+    if rope_dim > x.shape[-1]:
+        raise ValueError(f"inv_freq of length {inv_freq.shape[0]} rotates {rope_dim} channels, more than x's last "
+                         f"dimension {x.shape[-1]}")
+
+
+def qnorm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float) -> torch.Tensor:
+    """``q = rope(x * rsqrt(mean(x^2) + eps))``: the per-head query RMSNorm (unweighted) followed by RoPE.
+
+    Args:
+        x: (T, H, D) fp16 / bf16 / fp32 / fp64 queries after ``q_b_proj``, one row of H heads per packed token.
+        positions: (T,) int32 / int64 in-document position of each row (``pack.row_position``), on ``x``'s device.
+        inv_freq: (rope_dim // 2,) fp64 (fp32 allowed) frequencies of the layer (``layer_rope_frequencies``); the
+            last ``rope_dim`` channels of each head rotate in interleaved pairs, ``rope_dim`` may be 0.
+        eps: the RMSNorm epsilon (``config.rms_norm_eps``).
+    Returns:
+        (T, H, D) in ``x.dtype``, a new tensor; differentiable in ``x``.
+
+    Statistics, normalisation and rotation run in fp32 (fp64 for fp64 input) with cos/sin rounded to fp32 from
+    float64 angles (:func:`dsv4attn.rope.rope_cos_sin`). The kernel rounds to ``x.dtype`` once, the reference twice
+    (after the norm and after the rotation); the kernel's backward also keeps the un-rotated gradient in fp32 where
+    the reference rounds it to ``x.dtype`` before the norm backward.
+    """
+    _check(x, positions, inv_freq)
+    eps = float(eps)
+    with backend.exact_math(x.device):
+        if backend.choose("qnorm_rope", x.device) == "triton":
+            return backend.kernel("qnorm_rope")(x, positions, inv_freq, eps)
+        return qnorm_rope_reference(x, positions, inv_freq, eps)
+
+
+def inverse_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing ``2 * len(inv_freq)`` channels of every head by ``-positions * inv_freq``. Out of place.
+
+    Args:
+        x: (T, H, D) float attention output.
+        positions: (T,) int32 / int64 positions of the query rows, on ``x``'s device.
+        inv_freq: (rope_dim // 2,) fp64 (fp32 allowed) frequencies of the layer.
+    Returns:
+        A new (T, H, D) tensor in ``x.dtype`` -- never ``x`` or a view of it, also for ``rope_dim == 0`` (invariant
+        9.1: the attention backward keeps its output; rotating that in place would corrupt dq / dkv).
+        Differentiable in ``x``: the backward is the rotation by ``+angle``.
+    """
+    _check(x, positions, inv_freq)
+    with backend.exact_math(x.device):
+        if backend.choose("inverse_rope", x.device) == "triton":
+            return backend.kernel("inverse_rope")(x, positions, inv_freq)
+        return inverse_rope_reference(x, positions, inv_freq)
+
+
+try:  # registers the Triton kernels with the backend (used on CUDA); CPU-only installs run the reference
+    from . import triton as _triton_kernels  # noqa: F401
+except ImportError:
+    _triton_kernels = None
+
+__all__ = ["qnorm_rope", "inverse_rope", "qnorm_rope_reference", "inverse_rope_reference"]

@@ -1,0 +1,32 @@
+"""Reference (readable PyTorch, any device, float64-capable) for the query norm + RoPE and the output inverse RoPE.
+
+These *are* the layer's former code paths, unchanged (spec ALGORITHM.md sections 3.2 steps 4-5 and 3.7 step 1):
+
+* ``qnorm_rope_reference``: per-head unweighted RMSNorm (statistics in fp32, one rounding to ``x.dtype``), then
+  interleaved partial RoPE of the last ``2 * len(inv_freq)`` channels (rotation in fp32 with cos/sin rounded to
+  fp32 from float64 angles, a second rounding to ``x.dtype``). Backward: autograd of the two steps.
+* ``inverse_rope_reference``: RoPE by ``-angle``, out of place (invariant 9.1).
+
+Same signatures as the Triton versions; the public functions in ``__init__`` check the arguments.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...rope import apply_rope
+
+
+def qnorm_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float
+                         ) -> torch.Tensor:
+    """``apply_rope(rms_norm_unweighted(x, eps), positions, inv_freq)``: (T, H, D) -> (T, H, D) in ``x.dtype``."""
+    # Imported here: dsv4attn.layers imports dsv4attn.ops, so a module-level import would be circular.
+    from ...layers.common import rms_norm_unweighted
+    return apply_rope(rms_norm_unweighted(x, eps), positions, inv_freq)
+
+
+def inverse_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``apply_rope(x, positions, inv_freq, inverse=True)``: a new (T, H, D) tensor, never a view of ``x``."""
+    return apply_rope(x, positions, inv_freq, inverse=True)
+
+
+__all__ = ["qnorm_rope_reference", "inverse_rope_reference"]
