@@ -28,6 +28,14 @@ def checks_enabled() -> bool:
     return _enabled
 
 
+def values_readable() -> bool:
+    """Value checks on, and reading device values is allowed here: never inside a ``torch.compile`` trace or a
+    CUDA-graph capture (a device->host read would break the graph or the capture); every value check uses it."""
+    if not _enabled or torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 @contextmanager
 def checks(enabled: bool):
     """Context manager form of :func:`set_checks`."""
@@ -46,7 +54,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total_rows: int) -> None:
         raise ValueError(f"cu_seqlens must have dtype torch.int32 (flash-attn convention), got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"cu_seqlens must be 1-D of shape (N+1,), got shape {tuple(cu_seqlens.shape)}")
-    if not _enabled:
+    if not values_readable():
         return
     values = cu_seqlens.tolist()
     if values[0] != 0:
@@ -66,7 +74,7 @@ def check_max_seqlen(max_seqlen: int, cu_seqlens: torch.Tensor) -> None:
                         f"got {type(max_seqlen).__name__}")
     if max_seqlen < 0:
         raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
-    if not _enabled or cu_seqlens.shape[0] < 2:
+    if not values_readable() or cu_seqlens.shape[0] < 2:
         return
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
     if longest > max_seqlen:
@@ -93,7 +101,7 @@ def check_tensor(name: str, t: torch.Tensor, *, dim: int | None = None, shape: t
 
 def check_finite(name: str, t: torch.Tensor, allow_inf: bool = False) -> None:
     """Raise if ``t`` holds NaN (or +-Inf unless ``allow_inf``); only when value checks are on."""
-    if not (_enabled and t.is_floating_point()):
+    if not (t.is_floating_point() and values_readable()):
         return
     bad = torch.isnan(t).any() if allow_inf else ~torch.isfinite(t).all()
     if bool(bad):
@@ -103,7 +111,7 @@ def check_finite(name: str, t: torch.Tensor, allow_inf: bool = False) -> None:
 
 def check_index_range(name: str, indices: torch.Tensor, rows: int) -> None:
     """Indices must lie in [-1, rows); -1 marks an empty slot. One sync, only when value checks are on."""
-    if not _enabled or indices.numel() == 0:
+    if indices.numel() == 0 or not values_readable():
         return
     lo, hi = int(indices.min()), int(indices.max())
     if lo < -1 or hi >= rows:

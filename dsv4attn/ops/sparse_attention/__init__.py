@@ -55,7 +55,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
         checks.check_tensor("topk_length", topk_length, shape=(T,), dtypes=INDEX_DTYPES, device=q.device)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    if _may_read_device_values(q.device):
+    if checks.values_readable():
         if isinstance(indices, torch.Tensor):
             checks.check_index_range("indices", indices, kv.shape[0])
         if topk_length is not None:
@@ -82,13 +82,6 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
                 return parts[0]
             return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
         return sparse_attention_op(q, kv, indices, attn_sink, scale, topk_length, deterministic, impl)
-
-
-def _may_read_device_values(device: torch.device) -> bool:
-    """Value checks need a device->host sync: never inside a compiled graph or a CUDA-graph capture."""
-    if not checks.checks_enabled() or torch.compiler.is_compiling():
-        return False
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _check_topk_length_range(topk_length: torch.Tensor, width: int) -> None:
