@@ -25,15 +25,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.ops.interpreter import run_worker
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("kl", "d_index_q", "d_index_k", "d_index_weights")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -224,7 +222,7 @@ def _op_checks(klt, plumbing_inputs) -> dict:
     """Explicit candidates run the ops ``dsv4attn::indexer_kl`` / ``indexer_kl_backward``; the same candidates
     behind a lazy view run the chunked autograd Function. Both launch the same kernels, so every output is bitwise
     equal (the interpreter runs the programs, hence the d index_k atomics, in one order)."""
-    from dsv4attn.ops.index_sets import Explicit, Rows
+    from dsv4attn.ops.index_sets import Rows
 
     out = {}
     with OpLog() as log:
@@ -292,13 +290,7 @@ class OpLog(TorchDispatchMode):
 @pytest.fixture(scope="module")
 def interpreted():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = "from tests.ops.test_indexer_loss_triton import _worker; _worker()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_worker("tests.ops.test_indexer_loss_triton")
 
 
 def _assert_within_bounds(case_id, measured, low_precision):

@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.ops.interpreter import run_worker
 from tests.packs import build_pack, random_lengths
 
-ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SMALL = dict(BLOCK_T=16, BLOCK_E=16, num_warps=4, num_stages=1)      # many row / entry blocks per pack
 SCORE_RTOL = 1e-5        # fp32 summation-order noise over <= 8 heads x 64 dims is ~1e-7 of the row maximum
@@ -227,13 +224,7 @@ class OpLog(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = "from tests.ops.test_indexer_triton import _worker; _worker()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_worker("tests.ops.test_indexer_triton")
 
 
 @pytest.mark.parametrize("case_id", list(CASES))

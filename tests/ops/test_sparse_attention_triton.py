@@ -21,14 +21,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.ops.interpreter import run_worker
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NAMES = ("out", "lse", "dq", "dkv", "d_sink")
 GRADS = ("dq", "dkv", "d_sink")
@@ -279,13 +277,7 @@ def _worker() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = "from tests.ops.test_sparse_attention_triton import _worker; _worker()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_worker("tests.ops.test_sparse_attention_triton")
 
 
 def _assert_within_bounds(case_id, measured, low_precision):
