@@ -390,12 +390,7 @@ def flash_inputs(T: int, mode: str, seed: int = 0, device="cuda"):
 @GPU
 @pytest.mark.parametrize("mode,save_g,fwd", [
     ("sparse", True, None), ("warmup", True, None), ("warmup", False, None),
-    # One-tile mode (BLOCK_N = 512) is wrong on the H200 (Triton 3.6, 2026-11-30) while exact under the
-    # interpreter, so it is off by default. Strict: when a fix makes it pass, this fails and must be turned into a
-    # plain case (and the default revisited).
-    pytest.param("sparse", True, dict(ONE_BLOCK_MAX_N=512), marks=pytest.mark.xfail(
-        strict=True, reason="known wrong on the H200: one-tile forward mode (issue #5)")),
-], ids=["sparse-T4096", "warmup-T4096", "warmup-T4096-recompute-bwd", "sparse-T4096-one-tile"])
+], ids=["sparse-T4096", "warmup-T4096", "warmup-T4096-recompute-bwd"])
 def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd):
     from dsv4attn.ops.indexer_loss import triton as klt
     from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
@@ -438,3 +433,15 @@ def test_gpu_compile_fullgraph_and_cuda_graph_match_eager():
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, want)
+
+
+def test_one_tile_forward_is_refused_outside_the_interpreter(monkeypatch):
+    """The one-tile forward is wrong on the H200 (2026-11-30) though exact in the interpreter: compiled runs must
+    refuse it with a clear error instead of returning a wrong loss."""
+    pytest.importorskip("triton")
+    from dsv4attn.ops.indexer_loss import triton as klt
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    one_tile = dict(klt.FWD_CONFIG, ONE_BLOCK_MAX_N=512)
+    with pytest.raises(ValueError, match="ONE_BLOCK_MAX_N=512 asks for the one-tile forward"):
+        klt._fwd_meta(512, 64, 512, 64, 128, one_tile)
+    assert not klt._fwd_meta(512, 64, 512, 64, 128, klt.FWD_CONFIG)["ONE_BLOCK"]

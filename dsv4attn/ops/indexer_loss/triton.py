@@ -380,6 +380,10 @@ def _launch(kernel, rows: int, args: tuple, meta: dict, launch: dict, shrink) ->
 
 def _fwd_meta(K: int, H: int, D: int, Hi: int, Di: int, cfg: dict) -> dict:
     one_block = K <= cfg["ONE_BLOCK_MAX_N"]
+    if one_block and not _interpreting():
+        raise ValueError(f"ONE_BLOCK_MAX_N={cfg['ONE_BLOCK_MAX_N']} asks for the one-tile forward, which gives wrong "
+                         f"results on the H200 (Triton 3.6; exact only under the CPU interpreter): use "
+                         f"ONE_BLOCK_MAX_N=0 (two-pass) on GPUs until it is fixed (issue #5)")
     return dict(
         H=H, D=D, Hi=Hi, Di=Di, ONE_BLOCK=one_block,
         BLOCK_N=_pow2(K) if one_block else cfg["BLOCK_N"],
