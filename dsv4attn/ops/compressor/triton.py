@@ -33,13 +33,13 @@ No device->host sync: every launch size follows from host ints (T, width, ``layo
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ... import backend
+from ..triton_common import interpreting, round_to
 from ...packing import CompressedLayout
 from .reference import compress_pool_reference
 
@@ -61,21 +61,6 @@ CONFIGS = {
 }
 DEFAULT_CONFIG = CONFIGS[128]                # other ratios (no overlap): the ratio-128 tiles
 ZERO_CONFIG = dict(BLOCK_T=32, BLOCK_W=128, num_warps=4)
-
-
-@triton.jit
-def _round_to(x, PTR, ROUND_BF16: tl.constexpr):
-    """fp32 tile -> the element type of ``PTR``, rounding to nearest even.
-
-    ``ROUND_BF16``: the CPU interpreter (Triton 3.9) truncates fp32 -> bf16, a biased error the GPU does not make;
-    round the bits by hand instead and return fp32 that the store then converts exactly.
-    """
-    if ROUND_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(PTR.dtype.element_ty)
 
 
 @triton.jit
@@ -142,7 +127,7 @@ def _compress_pool_fwd_kernel(
     has_slots = l > 0                                          # False exactly for padding entries
     pooled = tl.where(has_slots, acc / tl.where(has_slots, l, 1.0), 0.0)
     out_offs = entries[:, None] * D + ch[None, :]
-    tl.store(OUT + out_offs, _round_to(pooled, OUT, ROUND_BF16), mask=entry_ok[:, None])
+    tl.store(OUT + out_offs, round_to(pooled, OUT, ROUND_BF16), mask=entry_ok[:, None])
     if SAVE_STATS:
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         lse = tl.where(has_slots, m_safe + tl.log2(tl.where(has_slots, l, 1.0)), 0.0)
@@ -196,8 +181,8 @@ def _compress_pool_bwd_kernel(
             pooled = tl.sum(w * x, 1)
         dkv = w * dy[:, None, :]
         dgate = dkv * (x - pooled[:, None, :])                  # softmax gradient: w * (dw - sum(w * dw))
-        tl.store(DKV + offs, _round_to(dkv, DKV, ROUND_BF16), mask=mask)
-        tl.store(DGATE + offs, _round_to(dgate, DGATE, ROUND_BF16), mask=mask)
+        tl.store(DKV + offs, round_to(dkv, DKV, ROUND_BF16), mask=mask)
+        tl.store(DGATE + offs, round_to(dgate, DGATE, ROUND_BF16), mask=mask)
         d_bias += tl.sum(dgate, 0)
         if cb == 0:
             # Coverage marks for the zero-fill kernel: plane 0 = own group (second half for ratio 4, the whole
@@ -230,10 +215,6 @@ def _zero_uncovered_kernel(
     tl.store(DGATE + offs, zeros.to(DGATE.dtype.element_ty), mask=mask)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _slots(ratio: int) -> int:
     return 2 * ratio if ratio == 4 else ratio
 
@@ -251,7 +232,7 @@ def _tile_meta(config: dict, ratio: int, d: int, dtype: torch.dtype) -> tuple[di
     cfg["CHUNK"] = min(cfg["CHUNK"], slots)
     cfg["BLOCK_D"] = min(cfg["BLOCK_D"], d & -d)                 # a power of two dividing d
     meta = dict(D=d, R=ratio, OVERLAP=ratio == 4, SLOTS=slots,
-                ROUND_BF16=dtype == torch.bfloat16 and _interpreting(), **cfg)
+                ROUND_BF16=dtype == torch.bfloat16 and interpreting(), **cfg)
     return meta, launch
 
 

@@ -33,7 +33,6 @@ around it: picking the fast path from the :class:`IndexSet`, the reference fallb
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -42,6 +41,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ... import backend
+from ..triton_common import dot, dot_mode
 from ..index_sets import IndexSet, Rows, Stack, VisibleCompressed, chunk_rows
 from .reference import indexer_topk_reference
 
@@ -55,19 +55,6 @@ KEY_BUDGET = 1 << 26
 # order(-inf): the high half of every empty slot's key (0xFF800000 with the low 31 bits flipped, as int32).
 NEG_INF_ORDER = -2139095041
 LOW_MASK = 0xFFFFFFFF
-
-
-@triton.jit
-def _dot(a, b, DOT_MODE: tl.constexpr):
-    # 0: fp16/bf16 tensor-core dot, fp32 accumulation. 1: fp32 operands in true fp32 (not tf32), so fp32 inputs
-    # select exactly like the reference. 2: bf16 under the CPU interpreter, whose bf16 dot is wrong (Triton 3.9):
-    # widen to fp32 first (bf16 x bf16 products are exact in fp32, as on tensor cores).
-    if DOT_MODE == 1:
-        return tl.dot(a, b, input_precision="ieee")
-    elif DOT_MODE == 2:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -107,7 +94,7 @@ def _indexer_keys_kernel(
         for h in range(H):
             q_h = tl.load(q_rows + h * Di, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             w_h = tl.load(W + rows * H + h, mask=row_ok, other=0.0).to(tl.float32)
-            s = _dot(q_h, k_t, DOT_MODE)
+            s = dot(q_h, k_t, DOT_MODE)
             acc += w_h[:, None] * tl.maximum(s, 0.0)
 
     # acc starts at +0.0 and x + (-0.0) or x - x never gives -0.0, so a zero score is +0.0: equal scores have
@@ -118,10 +105,6 @@ def _indexer_keys_kernel(
     # order << 32 | (2^32 - 1 - j), written with small int64 literals only (2^32 - 1 would be typed uint32).
     keys = ((order.to(tl.int64) + 1) << 32) - 1 - tl.where(in_buffer, j, 0)
     tl.store(KEYS + rows[:, None] * width + j, keys, mask=in_buffer)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def contiguous_ranges(candidates: IndexSet):
@@ -154,14 +137,14 @@ def _score_keys(q, k, w, first, visible, table, shift: int, width: int, config: 
     block_t, block_e = cfg["BLOCK_T"], cfg["BLOCK_E"]
     # A block of rows spans at most width + BLOCK_T / 4 entries past its first row's first entry (module doc).
     grid = (triton.cdiv(2 * width + block_t, block_e), triton.cdiv(rows_c, block_t))
-    dot_mode = 1 if q.dtype == torch.float32 else (2 if q.dtype == torch.bfloat16 and _interpreting() else 0)
+    mode = dot_mode(q.dtype)
     table_arg = table if table is not None else first                     # any pointer; unused without a table
     while True:
         try:
             _indexer_keys_kernel[grid](
                 q, k, w, first, visible, table_arg, keys, rows_c, H, Di, width, shift,
                 BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=max(16, triton.next_power_of_2(Di)),
-                HAS_TABLE=table is not None, DOT_MODE=dot_mode, **launch)
+                HAS_TABLE=table is not None, DOT_MODE=mode, **launch)
             return keys
         except OutOfResources:   # shared memory of this GPU (e.g. fp32 tiles): fewer stages, then fewer entries
             if launch["num_stages"] > 1:

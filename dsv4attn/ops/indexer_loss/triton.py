@@ -51,7 +51,6 @@ interpreter (``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -59,6 +58,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ... import backend
+from ..triton_common import dot, dot_mode, interpreting, round_to
 from ..index_sets import Explicit, IndexSet, chunk_rows
 from .reference import FLT_MIN, indexer_kl_reference
 
@@ -83,30 +83,6 @@ INDEX_BUDGET = 1 << 25
 # The order in which the ops' ``fwd_tiles`` / ``bwd_tiles`` arguments list a config (custom op schemas take no dicts).
 FWD_KEYS = ("ONE_BLOCK_MAX_N", "BLOCK_N", "BLOCK_HT", "BLOCK_HI", "BLOCK_D", "num_warps", "num_stages")
 BWD_KEYS = ("BLOCK_N", "BLOCK_D", "SPLIT_DX", "num_warps", "num_stages")
-
-
-@triton.jit
-def _dot(a, b, DOT_MODE: tl.constexpr):
-    # 0: fp16/bf16 tensor-core dot, fp32 accumulation. 1: fp32 operands in true fp32 (not tf32). 2: bf16 under the
-    # CPU interpreter, whose bf16 dot is wrong (Triton 3.9): widen to fp32 first (bf16 products are exact in fp32).
-    if DOT_MODE == 1:
-        return tl.dot(a, b, input_precision="ieee")
-    elif DOT_MODE == 2:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _round_to(x, PTR, DOT_MODE: tl.constexpr):
-    # fp32 -> the element dtype of PTR. The interpreter truncates fp32 -> bf16; round to nearest even by hand there
-    # (the result stays fp32 but holds a bf16 value, so a later store or widening dot is exact).
-    if DOT_MODE == 2:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(PTR.dtype.element_ty)
 
 
 @triton.jit
@@ -138,7 +114,7 @@ def _student_scores2(QI, W, ki, t, valid, Hi: tl.constexpr, Di: tl.constexpr, BL
         qi = tl.load(QI + (t * Hi + offs_g[:, None]) * Di + offs_di[None, :],
                      mask=g_ok[:, None] & (offs_di < Di)[None, :], other=0.0)
         w = tl.load(W + t * Hi + offs_g, mask=g_ok, other=0.0)
-        x = _dot(qi, ki_t, DOT_S)
+        x = dot(qi, ki_t, DOT_S)
         score += tl.sum(tl.maximum(x, 0.0) * w[:, None], 0)
     return tl.where(valid, score * 1.4426950408889634, float("-inf"))
 
@@ -157,7 +133,7 @@ def _teacher_logits2(Q, CKV, t, h0, rows, valid, qk_scale_log2, H: tl.constexpr,
                       other=0.0)
         c_c = tl.load(CKV + rows[:, None] * D + d0 + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
                       other=0.0)
-        s += _dot(q_c, tl.trans(c_c), DOT_T)
+        s += dot(q_c, tl.trans(c_c), DOT_T)
     return tl.where(h_ok[:, None] & valid[None, :], s * qk_scale_log2, float("-inf"))
 
 
@@ -324,7 +300,7 @@ def _indexer_kl_bwd_kernel(
         if start < n_end:
             n, valid, rows = _load_slots(IDX, t, K, start, BLOCK_N)
             ki = _load_keys(KI, rows, valid, Di, BLOCK_DI)
-            x = _dot(qi, tl.trans(ki), DOT_S)                                  # (BLOCK_HI, BLOCK_N)
+            x = dot(qi, tl.trans(ki), DOT_S)                                  # (BLOCK_HI, BLOCK_N)
             if HAS_G:
                 d_score = tl.load(G + t * K + n, mask=valid, other=0.0)
             else:
@@ -336,27 +312,19 @@ def _indexer_kl_bwd_kernel(
             d_score = d_score * grad
             dw += tl.sum(tl.maximum(x, 0.0) * d_score[None, :], 1)
             dx = tl.where(x > 0, w[:, None] * d_score[None, :], 0.0)
-            dx_hi = _round_to(dx, KI, DOT_S)
-            dq += _dot(dx_hi, ki, DOT_S)
-            dk = _dot(tl.trans(dx_hi), qi, DOT_S)                             # (BLOCK_N, BLOCK_DI)
+            dx_hi = round_to(dx, KI, DOT_S == 2)
+            dq += dot(dx_hi, ki, DOT_S)
+            dk = dot(tl.trans(dx_hi), qi, DOT_S)                             # (BLOCK_N, BLOCK_DI)
             if SPLIT_DX:
                 # dx = hi + lo, both in the input dtype: the products keep ~16 mantissa bits of dx instead of 8.
-                dx_lo = _round_to(dx - dx_hi.to(tl.float32), KI, DOT_S)
-                dq += _dot(dx_lo, ki, DOT_S)
-                dk += _dot(tl.trans(dx_lo), qi, DOT_S)
+                dx_lo = round_to(dx - dx_hi.to(tl.float32), KI, DOT_S == 2)
+                dq += dot(dx_lo, ki, DOT_S)
+                dk += dot(tl.trans(dx_lo), qi, DOT_S)
             # Repeated key rows in a block are fine: every element is its own atomic add.
             tl.atomic_add(DKI + rows[:, None] * Di + offs_di[None, :], dk, mask=valid[:, None] & di_ok[None, :])
-    tl.store(DQI + (t * Hi + offs_g[:, None]) * Di + offs_di[None, :], _round_to(dq, DQI, DOT_S),
+    tl.store(DQI + (t * Hi + offs_g[:, None]) * Di + offs_di[None, :], round_to(dq, DQI, DOT_S == 2),
              mask=g_ok[:, None] & di_ok[None, :])
     tl.store(DW + t * Hi + offs_g, dw, mask=g_ok)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _dot_mode(dtype: torch.dtype) -> int:
-    return 1 if dtype == torch.float32 else (2 if dtype == torch.bfloat16 and _interpreting() else 0)
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -380,7 +348,7 @@ def _launch(kernel, rows: int, args: tuple, meta: dict, launch: dict, shrink) ->
 
 def _fwd_meta(K: int, H: int, D: int, Hi: int, Di: int, cfg: dict) -> dict:
     one_block = K <= cfg["ONE_BLOCK_MAX_N"]
-    if one_block and not _interpreting():
+    if one_block and not interpreting():
         raise ValueError(f"ONE_BLOCK_MAX_N={cfg['ONE_BLOCK_MAX_N']} asks for the one-tile forward, which gives wrong "
                          f"results on the H200 (Triton 3.6; exact only under the CPU interpreter): use "
                          f"ONE_BLOCK_MAX_N=0 (two-pass) on GPUs until it is fixed (issue #5)")
@@ -460,7 +428,7 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     # defined everywhere (the backward never reads them; one memset of T x K fp32).
     g_buf = torch.zeros(T, K, dtype=torch.float32, device=qi.device) if save_g else None
     cfg, launch = _split_launch(config)
-    meta = dict(_fwd_meta(K, H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=_dot_mode(qm.dtype), DOT_S=_dot_mode(qi.dtype))
+    meta = dict(_fwd_meta(K, H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype))
     for s, e, idx, n_end in chunks:
         _launch(_indexer_kl_fwd_kernel, e - s,
                 (qi[s:e], ki, w[s:e], qm[s:e], ckv, outside[s:e], idx, n_end, kl[s:e], full2[s:e], rowstat[s:e],
@@ -486,7 +454,7 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
     meta = dict(H=H, D=D, Hi=Hi, Di=Di, BLOCK_N=cfg["BLOCK_N"], BLOCK_HT=_pow2(H), BLOCK_HI=_pow2(Hi),
                 BLOCK_DI=_pow2(Di), BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)), HAS_G=has_g,
                 SPLIT_DX=bool(cfg.get("SPLIT_DX", True)) and qi.dtype != torch.float32,
-                DOT_T=_dot_mode(qm.dtype), DOT_S=_dot_mode(qi.dtype))
+                DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype))
     for s, e, idx, n_end in chunks:
         _launch(_indexer_kl_bwd_kernel, e - s,
                 (qi[s:e], ki, w[s:e], qm[s:e], ckv, idx, n_end, grad[s:e], g_buf[s:e] if has_g else grad,

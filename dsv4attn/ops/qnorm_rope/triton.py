@@ -23,13 +23,13 @@ Row offsets are int64 (T * H * D passes 2^31 at T = 64K in the Flash geometry). 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ... import backend
+from ..triton_common import interpreting, round_to
 from ...rope import rope_cos_sin
 from .reference import inverse_rope_reference, qnorm_rope_reference
 
@@ -38,21 +38,6 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements per program (BLOCK_ROWS x next_pow2(D)) and warps. At D = 512 the default is 8 rows of 64 heads' worth
 # of a token, 16 elements per thread. benchmarks/qnorm_rope.py --sweep times the alternatives.
 CONFIGS = dict(fwd=dict(TILE=4096, num_warps=8), bwd=dict(TILE=4096, num_warps=8))
-
-
-@triton.jit
-def _round_to(x, PTR, ROUND_BF16: tl.constexpr):
-    """fp32 tile -> the element type of ``PTR``, rounding to nearest even.
-
-    ``ROUND_BF16``: the CPU interpreter (Triton 3.9) truncates fp32 -> bf16, a biased error the GPU does not make;
-    round the bits by hand and return fp32 that the store then converts exactly.
-    """
-    if ROUND_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(PTR.dtype.element_ty)
 
 
 @triton.jit
@@ -103,7 +88,7 @@ def _rope_fwd_kernel(X, COS, SIN, OUT, rows, eps,
         if NORM:
             partner = partner * rstd[:, None]
         y = tl.where(is_rope, y * cos + partner * s, y)
-    tl.store(OUT + offs, _round_to(y, OUT, ROUND_BF16), mask=mask)
+    tl.store(OUT + offs, round_to(y, OUT, ROUND_BF16), mask=mask)
 
 
 @triton.jit
@@ -122,11 +107,7 @@ def _qnorm_rope_bwd_kernel(X, DQ, COS, SIN, DX, rows, eps,
     mean_dy_x = tl.sum(dy * x, axis=1) / D
     # d/dx_j of x_i * r with r = (mean(x^2) + eps)^-1/2:  r * dy_j - r^3 * x_j * mean(dy * x)
     dx = rstd[:, None] * dy - (rstd * rstd * rstd)[:, None] * x * mean_dy_x[:, None]
-    tl.store(DX + offs, _round_to(dx, DX, ROUND_BF16), mask=mask)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    tl.store(DX + offs, round_to(dx, DX, ROUND_BF16), mask=mask)
 
 
 def _launch(x: torch.Tensor, cos: torch.Tensor, config: dict):
@@ -135,7 +116,7 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, config: dict):
     block_d = triton.next_power_of_2(D)
     block_rows = max(1, config["TILE"] // block_d)
     meta = dict(HEADS=H, D=D, HALF=cos.shape[1], BLOCK_ROWS=block_rows, BLOCK_D=block_d,
-                ROUND_BF16=x.dtype == torch.bfloat16 and _interpreting())
+                ROUND_BF16=x.dtype == torch.bfloat16 and interpreting())
     return (triton.cdiv(T * H, block_rows),), meta, dict(num_warps=config["num_warps"])
 
 

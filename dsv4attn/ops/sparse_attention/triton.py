@@ -34,7 +34,6 @@ either mode, and the mode does not change them. The forward has none.
 """
 from __future__ import annotations
 
-import os
 
 
 import torch
@@ -43,6 +42,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ... import backend
+from ..triton_common import dot, dot_mode, round_to
 from ..index_sets import IndexSet
 from .reference import sparse_attention_reference
 from .segment_sum import add_rows_by_key
@@ -99,32 +99,6 @@ DETERMINISTIC_BUFFER_ELEMENTS = 1 << 27
 
 
 @triton.jit
-def _dot(a, b, DOT_MODE: tl.constexpr):
-    # DOT_MODE 0: native tensor-core dot (fp16/bf16 operands, fp32 accumulation).
-    # DOT_MODE 1: fp32 operands in true fp32 (never silently tf32: the fp32 path promises ~1e-5 relative).
-    # DOT_MODE 2: bf16 under the CPU interpreter (TRITON_INTERPRET=1), which mis-multiplies bf16 tiles (Triton 3.9):
-    #             operands are widened to fp32 first; bf16 x bf16 products are exact in fp32, as on tensor cores.
-    if DOT_MODE == 1:
-        return tl.dot(a, b, input_precision="ieee")
-    elif DOT_MODE == 2:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _round_to(x, PTR, DOT_MODE: tl.constexpr):
-    """fp32 tile -> the element dtype of ``PTR`` (a dot operand or a store), rounding to nearest even as GPUs do."""
-    if DOT_MODE == 2:
-        # The interpreter truncates fp32 -> bf16 (a biased error); round the bits ourselves and stay fp32.
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(PTR.dtype.element_ty)
-
-
-@triton.jit
 def _sparse_attn_fwd_kernel(
     Q, KV, IDX, SINK, OUT, LSE,
     H, K, qk_scale_log2,
@@ -162,13 +136,13 @@ def _sparse_attn_fwd_kernel(
         if SHARED_KV:
             # No load mask: empty slots read row 0 (kv has >= 1 row), their scores are -inf and p = 0 below.
             kv_tile = tl.load(kv_rows + offs_dk[None, :])
-            s = _dot(q_all, tl.trans(kv_tile), DOT_MODE)
+            s = dot(q_all, tl.trans(kv_tile), DOT_MODE)
         else:
             s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
             for d0 in tl.static_range(0, D, BLOCK_DK):
                 q_c = tl.load(q_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
                 k_c = tl.load(kv_rows + d0 + offs_dk[None, :], mask=valid[:, None], other=0.0)
-                s += _dot(q_c, tl.trans(k_c), DOT_MODE)
+                s += dot(q_c, tl.trans(k_c), DOT_MODE)
         s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # An all-invalid block keeps m at -inf: shift by 0 instead so that no -inf - -inf NaN appears.
@@ -180,7 +154,7 @@ def _sparse_attn_fwd_kernel(
             v = kv_tile
         else:
             v = tl.load(kv_rows + offs_dv[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(_round_to(p, KV, DOT_MODE), v, DOT_MODE)
+        acc = acc * alpha[:, None] + dot(round_to(p, KV, DOT_MODE == 2), v, DOT_MODE)
         m_i = m_new
 
     # Sink in the denominator only: out = acc / (l + 2^(sink*log2e - m)); empty rows (l == 0) give exactly 0.
@@ -189,7 +163,7 @@ def _sparse_attn_fwd_kernel(
     denom = l_i + tl.exp2(sink * 1.4426950408889634 - m_safe)
     has_keys = l_i > 0
     out = tl.where(has_keys[:, None], acc / denom[:, None], 0.0)
-    tl.store(OUT + t * H * D + offs_h[:, None] * D + offs_dv[None, :], _round_to(out, OUT, DOT_MODE),
+    tl.store(OUT + t * H * D + offs_h[:, None] * D + offs_dv[None, :], round_to(out, OUT, DOT_MODE == 2),
              mask=h_mask[:, None])
     if vb == 0:
         lse = tl.where(has_keys, (m_safe + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -227,8 +201,8 @@ def _sparse_attn_bwd_delta_kernel(
             k_c = tl.load(KV + row_off + d0 + offs_dk[None, :], mask=valid[:, None], other=0.0)
             q_c = tl.load(q_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
             do_c = tl.load(do_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
-            s += _dot(q_c, tl.trans(k_c), DOT_MODE)
-            dp += _dot(do_c, tl.trans(k_c), DOT_MODE)
+            s += dot(q_c, tl.trans(k_c), DOT_MODE)
+            dp += dot(do_c, tl.trans(k_c), DOT_MODE)
         live = h_mask[:, None] & valid[None, :]
         p = tl.where(live, tl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
         delta += tl.sum(p * dp, 1)
@@ -275,16 +249,16 @@ def _sparse_attn_bwd_kernel(
             k_c = tl.load(KV + row_off + d0 + offs_dk[None, :], mask=valid[:, None], other=0.0)
             q_c = tl.load(q_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
             do_c = tl.load(do_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
-            s += _dot(q_c, tl.trans(k_c), DOT_MODE)
-            dp += _dot(do_c, tl.trans(k_c), DOT_MODE)
+            s += dot(q_c, tl.trans(k_c), DOT_MODE)
+            dp += dot(do_c, tl.trans(k_c), DOT_MODE)
         # Padded heads and empty slots get p = 0 (their denominators are meaningless).
         live = h_mask[:, None] & valid[None, :]
         p = tl.where(live, tl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
         dz = p * (dp - delta[:, None])
         v = tl.load(KV + row_off + offs_c[None, :], mask=valid[:, None], other=0.0)
-        dq += _dot(_round_to(dz, KV, DOT_MODE), v, DOT_MODE)
-        dkv = _dot(_round_to(tl.trans(dz * scale), KV, DOT_MODE), q_slice, DOT_MODE)
-        dkv += _dot(_round_to(tl.trans(p), KV, DOT_MODE), do_slice, DOT_MODE)
+        dq += dot(round_to(dz, KV, DOT_MODE == 2), v, DOT_MODE)
+        dkv = dot(round_to(tl.trans(dz * scale), KV, DOT_MODE == 2), q_slice, DOT_MODE)
+        dkv += dot(round_to(tl.trans(p), KV, DOT_MODE == 2), do_slice, DOT_MODE)
         if DETERMINISTIC:
             # Empty slots store their exact zeros too; the reduction never reads them.
             slot = (hb * ROWS + t) * K + n
@@ -295,7 +269,7 @@ def _sparse_attn_bwd_kernel(
                 tl.atomic_add(DKV + row_off + offs_c[None, :], dkv, mask=valid[:, None], sem="relaxed")
             else:
                 tl.atomic_add(DKV + row_off + offs_c[None, :], dkv, mask=valid[:, None])
-    tl.store(DQ + t * H * D + offs_h[:, None] * D + offs_c[None, :], _round_to(dq * scale, DQ, DOT_MODE),
+    tl.store(DQ + t * H * D + offs_h[:, None] * D + offs_c[None, :], round_to(dq * scale, DQ, DOT_MODE == 2),
              mask=h_mask[:, None])
 
 
@@ -353,8 +327,8 @@ def _sparse_attn_bwd_rows_kernel(
             valid = idx >= 0
             # No load mask: empty slots read row 0 (kv has >= 1 row) and get p = 0.
             kv_tile = tl.load(KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * D + offs_d[None, :])
-            s = _dot(q_all, tl.trans(kv_tile), DOT_MODE)
-            dp = _dot(do_all, tl.trans(kv_tile), DOT_MODE)
+            s = dot(q_all, tl.trans(kv_tile), DOT_MODE)
+            dp = dot(do_all, tl.trans(kv_tile), DOT_MODE)
             live = h_mask[:, None] & valid[None, :]
             p = tl.where(live, tl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
             delta += tl.sum(p * dp, 1)
@@ -371,21 +345,21 @@ def _sparse_attn_bwd_rows_kernel(
             valid = idx >= 0
             row_off = tl.where(valid, idx, 0).to(tl.int64)[:, None] * D
             kv_tile = tl.load(KV + row_off + offs_d[None, :])
-            s = _dot(q_all, tl.trans(kv_tile), DOT_MODE)
-            dp = _dot(do_all, tl.trans(kv_tile), DOT_MODE)
+            s = dot(q_all, tl.trans(kv_tile), DOT_MODE)
+            dp = dot(do_all, tl.trans(kv_tile), DOT_MODE)
             live = h_mask[:, None] & valid[None, :]
             p = tl.where(live, tl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
             dz = p * (dp - delta[:, None])
             if DO_DQ:
-                dq += _dot(_round_to(dz, KV, DOT_MODE), kv_tile, DOT_MODE)
+                dq += dot(round_to(dz, KV, DOT_MODE == 2), kv_tile, DOT_MODE)
             if DO_DKV:
                 # Same operand roundings as the sliced kernel: bf16(scale * dz)^T q + bf16(p)^T dO, fp32 sums.
-                dz_t = _round_to(tl.trans(dz * scale), KV, DOT_MODE)
-                p_t = _round_to(tl.trans(p), KV, DOT_MODE)
+                dz_t = round_to(tl.trans(dz * scale), KV, DOT_MODE == 2)
+                p_t = round_to(tl.trans(p), KV, DOT_MODE == 2)
                 slot = (hb * ROWS + t) * K + n
                 if DKV_BLOCK_D == D:
-                    dkv = _dot(dz_t, q_all, DOT_MODE)
-                    dkv += _dot(p_t, do_all, DOT_MODE)
+                    dkv = dot(dz_t, q_all, DOT_MODE)
+                    dkv += dot(p_t, do_all, DOT_MODE)
                     _put_dkv(DKV, dkv, row_off, slot, valid, n < K, offs_d, D, DETERMINISTIC, RELAXED)
                 else:
                     for c0 in tl.static_range(0, D, DKV_BLOCK_D):
@@ -393,15 +367,11 @@ def _sparse_attn_bwd_rows_kernel(
                         chunk_off = t * H * D + offs_h[:, None] * D + offs_c[None, :]
                         q_c = tl.load(Q + chunk_off, mask=h_mask[:, None], other=0.0)
                         do_c = tl.load(DO + chunk_off, mask=h_mask[:, None], other=0.0)
-                        dkv = _dot(dz_t, q_c, DOT_MODE)
-                        dkv += _dot(p_t, do_c, DOT_MODE)
+                        dkv = dot(dz_t, q_c, DOT_MODE)
+                        dkv += dot(p_t, do_c, DOT_MODE)
                         _put_dkv(DKV, dkv, row_off, slot, valid, n < K, offs_c, D, DETERMINISTIC, RELAXED)
         if DO_DQ:
-            tl.store(DQ + head_off, _round_to(dq * scale, DQ, DOT_MODE), mask=h_mask[:, None])
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+            tl.store(DQ + head_off, round_to(dq * scale, DQ, DOT_MODE == 2), mask=h_mask[:, None])
 
 
 def _block_h(H: int) -> int:
@@ -416,8 +386,8 @@ def _launch_args(q: torch.Tensor, config: dict):
     block_h = cfg.pop("BLOCK_H", None) or _block_h(H)      # benchmarks may force it (e.g. 128 heads per block)
     num_hb = triton.cdiv(H, block_h)
     grid = (T * num_hb * (D // cfg.get("BLOCK_DV", D)),)       # row layouts have no value slices
-    dot_mode = 1 if q.dtype == torch.float32 else (2 if q.dtype == torch.bfloat16 and _interpreting() else 0)
-    meta = dict(D=D, BLOCK_H=block_h, NUM_HB=num_hb, DOT_MODE=dot_mode, **cfg)
+    mode = dot_mode(q.dtype)
+    meta = dict(D=D, BLOCK_H=block_h, NUM_HB=num_hb, DOT_MODE=mode, **cfg)
     return grid, meta, launch
 
 
