@@ -17,10 +17,9 @@ reference op's time (PyTorch, same inputs; backward = autograd of its graph) ove
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
-from gpu_timing import peak_mib, time_ms
+from gpu_timing import peak_mib, start_log, time_ms
 
 HBM_GBPS = 4300.0               # device-to-device copy, 4 GiB, measured on the lent H200 (PERFORMANCE.md)
 HEAD_DIM = 512
@@ -138,18 +137,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the tile variants of sweep_configs")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/compressor.py needs a CUDA device")
-    import triton
-    sink_file = open(args.log, "a") if args.log else None
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-        if sink_file:
-            sink_file.write(line + "\n")
-            sink_file.flush()
-
-    log(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
+    log = start_log("compressor.py", args.log)
     if args.check_T:
         for ratio in args.ratio:
             check(args.check_T, ratio, log)

@@ -31,3 +31,23 @@ def peak_mib(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def start_log(script: str, log_path: str | None):
+    """The ``log(line)`` of a benchmark script: prints and, with ``--log``, appends to that file; first line = the
+    GPU and versions. Exits with a message when there is no CUDA device."""
+    import sys
+
+    import triton
+    if not torch.cuda.is_available():
+        sys.exit(f"benchmarks/{script} needs a CUDA device")
+    sink = open(log_path, "a") if log_path else None
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        if sink:
+            sink.write(line + "\n")
+            sink.flush()
+
+    log(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
+    return log

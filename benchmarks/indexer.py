@@ -13,10 +13,9 @@ warm-up (CUDA events); the kernels are called directly (no argument checks). Run
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
-from gpu_timing import peak_mib, time_ms
+from gpu_timing import peak_mib, start_log, time_ms
 
 MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (PERFORMANCE.md)
 RATIO = 4
@@ -127,20 +126,10 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the tile configurations in SWEEP at T[0]")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/indexer.py needs a CUDA device")
-    import triton
+    log = start_log("indexer.py", args.log)
+    log("bf16 inputs")
     import dsv4attn
     cfg = dsv4attn.AttentionConfig.flash()
-    sink_file = open(args.log, "a") if args.log else None
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-        if sink_file:
-            sink_file.write(line + "\n")
-            sink_file.flush()
-
-    log(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | bf16 inputs")
     if args.check_T:
         check(args.check_T, cfg, args.doc_len, log)
     log("| impl | shape | visible pairs | ms (median of 10) | score ms | top-k ms | score TFLOP/s | "

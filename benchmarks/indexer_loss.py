@@ -16,10 +16,9 @@ Target (issue #5): sparse forward+backward <= 2.5 ms at T = 32K; the warm-up mus
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
-from gpu_timing import peak_mib, time_ms
+from gpu_timing import peak_mib, start_log, time_ms
 
 MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (PERFORMANCE.md)
 H, D, HI, DI, TOPK, RATIO = 64, 512, 64, 128, 512, 4
@@ -147,19 +146,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations (sparse mode)")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/indexer_loss.py needs a CUDA device")
-    import triton
-    sink = open(args.log, "a") if args.log else None
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-        if sink:
-            sink.write(line + "\n")
-            sink.flush()
-
-    log(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-        f"H={H} D={D} Hi={HI} Di={DI} bf16")
+    log = start_log("indexer_loss.py", args.log)
+    log(f"H={H} D={D} Hi={HI} Di={DI} bf16")
     if args.check_T:
         check(args.check_T, log)
     log("| mode | T | K | fwd ms | fwd+bwd ms | bwd ms | fwd TFLOP/s (/782) | peak MiB | ref fwd ms | "

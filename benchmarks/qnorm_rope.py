@@ -18,10 +18,9 @@ inputs; "x PyTorch" is the PyTorch time over the kernel's. Run (CUDA):
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
-from gpu_timing import peak_mib, time_ms
+from gpu_timing import peak_mib, start_log, time_ms
 
 HBM_GBPS = 4300.0               # device-to-device copy, 4 GiB, measured on the lent H200 (PERFORMANCE.md)
 HEADS, HEAD_DIM, ROPE_DIM = 64, 512, 64
@@ -115,21 +114,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the kernels with the tiles of SWEEP")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/qnorm_rope.py needs a CUDA device")
-    import triton
-
+    log = start_log("qnorm_rope.py", args.log)
     from dsv4attn.ops.qnorm_rope import triton as qt
-    sink_file = open(args.log, "a") if args.log else None
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-        if sink_file:
-            sink_file.write(line + "\n")
-            sink_file.flush()
-
-    log(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-        f"tiles {qt.CONFIGS}")
+    log(f"tiles {qt.CONFIGS}")
     if args.check_T:
         check(args.check_T, log)
     log("| op | impl | T | pass | ms (median of 10) | GB/s | / 4300 | peak MiB | x PyTorch |")

@@ -18,7 +18,7 @@ import argparse
 import sys
 
 import torch
-from gpu_timing import peak_mib, time_ms
+from gpu_timing import peak_mib, start_log, time_ms
 
 MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (PERFORMANCE.md)
 D, WINDOW, TOPK = 512, 128, 512
@@ -244,18 +244,7 @@ def main() -> None:
     parser.add_argument("--bwd-variants", default=None, help="comma-separated SWEEP_BWD indices (default: all)")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/sparse_attention.py needs a CUDA device")
-    import triton
-    sink_file = open(args.log, "a") if args.log else None
-
-    def log(line: str) -> None:
-        print(line, flush=True)
-        if sink_file:
-            sink_file.write(line + "\n")
-            sink_file.flush()
-
-    log(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
+    log = start_log("sparse_attention.py", args.log)
     if args.check_T:
         check(args.check_T, log)
     flashmla = None
