@@ -122,9 +122,10 @@ def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: st
         err = ((fm_out.float() - out.float()).abs().max() / out.float().abs().max()).item()
         fm_ms = time_ms(fm_fwd)
         row("flashmla", "fwd", fm_ms, fwd_flop, peak_mib(fm_fwd))
-        log(f"  (FlashMLA vs triton forward: max |diff| / max |out| = {err:.2e})")
+        log(f"  (FlashMLA vs our forward: max |diff| / max |out| = {err:.2e})")
+    impl = {"fwd": f"ours ({sat.forward_kernel(q, fwd_cfg)})", "bwd": "ours (triton)", "fwd+bwd": "ours"}
     for op, fn, flop in [("fwd", fwd, fwd_flop), ("bwd", bwd, 2.5 * fwd_flop), ("fwd+bwd", fwd_bwd, 3.5 * fwd_flop)]:
-        row("triton", op, time_ms(fn), flop, peak_mib(fn), fm_ms if op == "fwd" else None)
+        row(impl[op], op, time_ms(fn), flop, peak_mib(fn), fm_ms if op == "fwd" else None)
     if with_reference:
         iset = Explicit(idx)
 
@@ -144,11 +145,19 @@ def _fwd(n, dk, dv, w, s, **extra):
     return dict(BLOCK_N=n, BLOCK_DK=dk, BLOCK_DV=dv, num_warps=w, num_stages=s, **extra)
 
 
+def _gluon(n, stages, **extra):
+    return dict(KERNEL="gluon", BLOCK_N=n, STAGES=stages, **extra)
+
+
+# The Gluon (SM90) forward: BLOCK_N gathered rows per step, a ring of STAGES shared-memory tiles, OVERLAP (softmax
+# of block b + 1 during block b's P V); SKIP leaves one stage out (wrong results, timing only: what each stage costs).
+SWEEP_GLUON = ([_gluon(64, 2), _gluon(32, 4), _gluon(64, 2, OVERLAP=True), _gluon(32, 4, OVERLAP=True),
+                _gluon(32, 3, OVERLAP=True)] + [_gluon(64, 2, SKIP=k) for k in (1, 2, 3, 4)])
 SWEEP_FWD = {   # per head count; BLOCK_DK == BLOCK_DV == 512: one kv tile per step for scores and values
     64: [_fwd(32, 128, 512, 8, 2),                                   # split-score layout (first version)
-         _fwd(64, 512, 512, 8, 2), _fwd(64, 512, 512, 8, 2, WARP_SPEC=True), _fwd(32, 512, 512, 8, 3)],
+         _fwd(64, 512, 512, 8, 2), _fwd(64, 512, 512, 8, 2, WARP_SPEC=True), _fwd(32, 512, 512, 8, 3)] + SWEEP_GLUON,
     128: [_fwd(64, 512, 512, 8, 2), _fwd(32, 512, 512, 16, 2, BLOCK_H=128), _fwd(64, 512, 512, 16, 1, BLOCK_H=128),
-          _fwd(32, 512, 512, 16, 1, BLOCK_H=128)],
+          _fwd(32, 512, 512, 16, 1, BLOCK_H=128)] + SWEEP_GLUON,
 }
 def _bwd(layout, n, w, s, **extra):
     return dict(dict(LAYOUT=layout, BLOCK_N=n, num_warps=w, num_stages=s, RELAXED=True), **extra)

@@ -86,8 +86,20 @@ def v4_case():
 # ---------------------------------------------------------------------------------------------------------------
 # Accuracy at V4 shapes
 
+@pytest.fixture(params=["triton", "gluon"])
+def forward_kernel(request, monkeypatch):
+    """Runs a test once per forward kernel (the Gluon one only where it applies: SM90)."""
+    from dsv4attn.ops.sparse_attention import gluon_hopper, triton as sat
+
+    if request.param == "gluon" and not gluon_hopper.available(torch.empty(1, 64, 512, device="cuda",
+                                                                             dtype=torch.bfloat16)):
+        pytest.skip("the Gluon forward needs an SM90 GPU and Triton's Gluon")
+    monkeypatch.setattr(sat, "FORWARD_KERNEL", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_kernel_matches_float64_reference_v4(v4_case, deterministic):
+def test_kernel_matches_float64_reference_v4(v4_case, deterministic, forward_kernel):
     (q, kv, idx, sink, grad_out), low, exact = v4_case
     assert backend.choose("sparse_attention", q.device) == "triton"
     kernel = [x.double() for x in run(op(idx, deterministic=deterministic), q, kv, sink, grad_out)]

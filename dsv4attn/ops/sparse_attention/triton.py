@@ -10,7 +10,9 @@ of a block are the M dimension of every ``tl.dot`` tile (MQA: all heads share th
 are walked in blocks of ``BLOCK_N`` gathered kv rows. Scores need the full D contraction, so they are accumulated
 over ``BLOCK_DK`` column chunks; the value / gradient columns are split over ``D // BLOCK_DV`` programs so the
 fp32 accumulator stays ``BLOCK_H x BLOCK_DV`` (a 64 x 512 fp32 accumulator does not fit in registers). The
-price is that each value slice recomputes the scores.
+price is that each value slice recomputes the scores. At D = 512 one program owns all columns instead (FWD_CONFIGS).
+On SM90 GPUs the forward runs the Gluon kernel of :mod:`.gluon_hopper` by default (asynchronous row gathers; the
+Triton pipeliner leaves these gathers synchronous); :data:`FORWARD_KERNEL` or a config's ``KERNEL`` key chooses.
 
 Backward: d_sink is a (T, H) reduction in PyTorch from Delta = dO.out = sum_k p_k dO.v_k, which the kernels
 compute from fp32 probabilities (as the reference does; dO . bf16-out would carry the output rounding and the bf16
@@ -36,6 +38,8 @@ from __future__ import annotations
 
 
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -46,6 +50,7 @@ from ..triton_common import dot, dot_mode, round_to
 from ..index_sets import IndexSet
 from .reference import sparse_attention_reference
 from .segment_sum import add_rows_by_key
+from . import gluon_hopper
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -91,6 +96,11 @@ BWD_PASSES = {
     "split": ("DELTA+DQ", "DKV"),             # 9 GEMMs, 2 launches: no program holds dq and a dKV tile at once
     "split3": ("DELTA", "DQ", "DKV"),         # 9 GEMMs, 3 launches
 }
+# Forward kernel: "auto" (Gluon on SM90 where it applies, else Triton), "gluon" or "triton"; a config's "KERNEL" key
+# overrides it per call.
+FORWARD_KERNEL = "auto"
+# Why "auto" stopped choosing Gluon in this process (its first launch failed), or None.
+_GLUON_FAILED: str | None = None
 SUPPORTED_D = tuple(FWD_CONFIGS)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # fp32 elements of the deterministic backward's per-(row, slot) dKV buffer (512 MiB): T = 4096, K = 640, D = 512
@@ -433,16 +443,46 @@ def _launch(kernel, grid_of, q, config: dict, args: tuple):
                 raise
 
 
+def forward_kernel(q: torch.Tensor, config: dict | None = None) -> str:
+    """Which forward runs for ``q``: ``config["KERNEL"]`` if given, else :data:`FORWARD_KERNEL` ("auto": the Gluon
+    Hopper kernel where :func:`.gluon_hopper.available`, the Triton kernel elsewhere)."""
+    choice = (config or {}).get("KERNEL", FORWARD_KERNEL)
+    if choice not in ("auto", "gluon", "triton"):
+        raise ValueError(f"forward KERNEL must be 'auto', 'gluon' or 'triton', got {choice!r}")
+    if choice == "auto":
+        return "gluon" if gluon_hopper.available(q) and _GLUON_FAILED is None else "triton"
+    if choice == "gluon" and not gluon_hopper.available(q):
+        raise ValueError("forward KERNEL='gluon' needs Gluon, an SM90 GPU, bf16/fp16 q, H % 64 == 0 and "
+                         f"D in (128, 256, 512); got q {tuple(q.shape)} {q.dtype} on {q.device}")
+    return choice
+
+
 def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
     """q (T, H, D), kv (N, D), idx (T, K) int32, sink (H,) fp32 -> out (T, H, D) q.dtype, lse (T, H) fp32."""
+    global _GLUON_FAILED
     T, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    if kv.shape[0] == 0:                       # every slot is empty; the kernel still reads row 0 of kv
+    if kv.shape[0] == 0:                       # every slot is empty; the kernels still read row 0 of kv
         kv = kv.new_zeros(1, D)
-    _launch(_sparse_attn_fwd_kernel, lambda grid, meta: grid, q, config or FWD_CONFIGS[D],
+    kernel = forward_kernel(q, config)
+    rest = {k: v for k, v in (config or {}).items() if k != "KERNEL"}
+    if kernel == "gluon":
+        if (config or {}).get("KERNEL", FORWARD_KERNEL) == "gluon":
+            gluon_hopper.launch_fwd(q, kv, idx, sink, out, lse, scale, rest)
+            return out, lse
+        try:
+            gluon_hopper.launch_fwd(q, kv, idx, sink, out, lse, scale, rest)
+            return out, lse
+        except Exception as exc:  # noqa: BLE001 - "auto" must not fail where the Triton kernel works
+            # Gluon is experimental and changes between Triton releases: if this Triton cannot build the kernel,
+            # say so once and use the Triton kernel from now on. An explicit KERNEL="gluon" raises instead.
+            _GLUON_FAILED = f"{type(exc).__name__}: {str(exc)[:300]}"
+            warnings.warn(f"dsv4attn: the Gluon sparse-attention forward failed ({_GLUON_FAILED}); "
+                          "using the Triton kernel", RuntimeWarning, stacklevel=2)
+    _launch(_sparse_attn_fwd_kernel, lambda grid, meta: grid, q, rest or FWD_CONFIGS[D],
             (q, kv, idx, sink, out, lse, H, idx.shape[1], scale * LOG2E))
     return out, lse
 
