@@ -26,7 +26,7 @@ try:  # Gluon is experimental: any import problem (older or newer Triton) just d
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     _IMPORTED = True
 except Exception:  # pragma: no cover - depends on the installed Triton
@@ -50,14 +50,15 @@ def available(q: torch.Tensor) -> bool:
 if _IMPORTED:
 
     @gluon.jit
-    def _gather(kv_ring, stage, KV, IDX, row_base, K, block, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                layout: gl.constexpr):
-        # cp.async of the kv rows of slots [block * BLOCK_N, +BLOCK_N) into ring stage ``stage``. Empty slots and
-        # slots past K copy row 0 (kv has >= 1 row): their scores are masked to -inf, so p = 0 for them.
+    def _gather(kv_ring, stage, KV, IDX, row_base, K, block, col0, BLOCK_N: gl.constexpr, WIDTH: gl.constexpr,
+                D: gl.constexpr, layout: gl.constexpr):
+        # cp.async of columns [col0, col0 + WIDTH) of the kv rows of slots [block * BLOCK_N, +BLOCK_N) into ring
+        # stage ``stage``. Empty slots and slots past K copy row 0 (kv has >= 1 row): their scores are masked to
+        # -inf, so p = 0 for them.
         n = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
         rows = gl.where(idx >= 0, idx, 0).to(gl.int64) * D
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        cols = col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
         async_copy.async_copy_global_to_shared(kv_ring.index(stage), KV + rows[:, None] + cols[None, :])
 
     @gluon.jit
@@ -83,6 +84,230 @@ if _IMPORTED:
         l_new = l_i * alpha + gl.sum(p, 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         return p_op, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), m_new, l_new
+
+    @gluon.jit
+    def _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, col0, D: gl.constexpr, WRITE_LSE: gl.constexpr):
+        # Sink in the denominator only: out = acc / (l + 2^(sink log2e - m)); rows without keys (l == 0) give 0.
+        # ``acc`` holds output columns [col0, col0 + its width) of the 64 heads of head block ``hb``.
+        row_layout: gl.constexpr = m_i.type.layout
+        o_layout: gl.constexpr = acc.type.layout
+        h_s = hb * 64 + gl.arange(0, 64, layout=row_layout)
+        sink = gl.load(SINK + h_s)
+        m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
+        denom = l_i + gl.exp2(sink * 1.4426950408889634 - m_safe)
+        has_keys = l_i > 0
+        if WRITE_LSE:
+            lse = gl.where(has_keys, (m_safe + gl.log2(gl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
+                           float("-inf"))
+            gl.store(LSE + t * H + h_s, lse)
+        scale_o = gl.where(has_keys, 1.0 / denom, 0.0)
+        out = acc * gl.convert_layout(scale_o, gl.SliceLayout(1, o_layout))[:, None]
+        h_o = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+        c_o = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout))
+        gl.store(OUT + t * H * D + h_o.to(gl.int64)[:, None] * D + c_o[None, :], out.to(OUT.dtype.element_ty))
+
+    @gluon.jit
+    def _split_d_half(Q, KV, IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_smem, ring, exch, ready, free,
+                      W: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # Warpgroup W of the split-D schedule: owns columns [W * D/2, (W+1) * D/2) of q, of every gathered kv row
+        # and of the output. Per block: partial scores over its half of the contraction, exchanged with the other
+        # warpgroup through shared memory (mbarrier handshake), summed in the same order by both (fp32 addition
+        # commutes, so both hold bitwise-equal scores and softmax states), then P V for its own value columns.
+        HALF: gl.constexpr = D // 2
+        dtype: gl.constexpr = Q.dtype.element_ty
+        io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_base = t * K
+        col0 = W * HALF
+        num_blocks = gl.cdiv(K, BLOCK_N)
+        for b in gl.static_range(STAGES - 1):
+            if b < num_blocks:
+                _gather(ring, W * STAGES + b, KV, IDX, row_base, K, b, col0, BLOCK_N, HALF, D, io)
+            async_copy.commit_group()
+        heads = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, io))
+        cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, io))
+        q_half = q_smem.index(W)
+        q_half.store(gl.load(Q + t * H * D + heads.to(gl.int64)[:, None] * D + cols[None, :]))
+
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([64, HALF], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+        mine = exch.index(W)
+        theirs = exch.index(1 - W)
+        for block in range(num_blocks):
+            gl.thread_barrier()                  # this warpgroup is past block - 1's P V: refill its stage
+            ahead = block + STAGES - 1
+            if ahead < num_blocks:
+                _gather(ring, W * STAGES + ahead % STAGES, KV, IDX, row_base, K, ahead, col0, BLOCK_N, HALF, D, io)
+            async_copy.commit_group()
+            _land(STAGES - 1)
+            kv = ring.index(W * STAGES + block % STAGES)
+            s_part = warpgroup_mma(q_half, kv.permute((1, 0)), s_zero, use_acc=False)
+            # The other warpgroup has read my previous partial (not needed before the first block).
+            mbarrier.wait(free.index(W), (block + 1) & 1, pred=block > 0)
+            mine.store(s_part)
+            mbarrier.arrive(ready.index(W))
+            mbarrier.wait(ready.index(1 - W), block & 1)
+            if W == 0:
+                s = s_part + theirs.load(s_layout)
+            else:
+                s = theirs.load(s_layout) + s_part
+            mbarrier.arrive(free.index(1 - W))
+            p_op, alpha, m_i, l_i = _softmax_step(s, IDX, row_base, K, block, m_i, l_i, qk_scale_log2, BLOCK_N,
+                                                  o_layout, p_layout, dtype)
+            acc = acc * alpha[:, None]
+            acc = warpgroup_mma(p_op, kv, acc)
+        async_copy.wait_group(0)
+        _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, col0, D, W == 0)
+
+    @gluon.jit
+    def _sparse_attn_fwd_gluon_split_d(Q, KV, IDX, SINK, OUT, LSE, H, K, qk_scale_log2,
+                                       D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                       num_warps: gl.constexpr):
+        # Two warpgroups as warp-specialised partitions (this one plus one worker), each running _split_d_half.
+        NUM_HB = H // 64
+        pid = gl.program_id(0)
+        hb = pid % NUM_HB
+        t = (pid // NUM_HB).to(gl.int64)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        HALF: gl.constexpr = D // 2
+        q_smem = gl.allocate_shared_memory(dtype, [2, 64, HALF],
+                                           gl.NVMMASharedLayout.get_default_for([64, HALF], dtype))
+        ring = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_N, HALF],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dtype))
+        exch = gl.allocate_shared_memory(gl.float32, [2, 64, BLOCK_N], gl.SwizzledSharedLayout(2, 1, 8, [1, 0]))
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(free.index(i), count=1)
+        gl.warp_specialize([
+            (_split_d_half, (Q, KV, IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_smem, ring, exch, ready, free,
+                             gl.constexpr(0), D, BLOCK_N, STAGES)),
+            (_split_d_half, (Q, KV, IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_smem, ring, exch, ready, free,
+                             gl.constexpr(1), D, BLOCK_N, STAGES))], [4], [240])
+
+
+    @gluon.jit
+    def _pp_producer(Q, KV, IDX, H, K, t, hb, q_smem, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):
+        # Ping-pong schedule, producer warpgroup: q, then every block's rows into ring stage b % STAGES once both
+        # consumers have released it; each thread's cp.async completions arrive on full[stage] (count 128).
+        io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        row_base = t * K
+        heads = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, io))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, io))
+        async_copy.async_copy_global_to_shared(q_smem, Q + t * H * D + heads.to(gl.int64)[:, None] * D + cols[None, :])
+        for b in range(gl.cdiv(K, BLOCK_N)):
+            stage = b % STAGES
+            mbarrier.wait(empty.index(stage), ((b // STAGES) + 1) & 1, pred=b >= STAGES)
+            for r in gl.static_range(0, BLOCK_N, 16):        # 16 rows at a time: few registers per thread
+                n = b * BLOCK_N + r + gl.arange(0, 16, layout=gl.SliceLayout(1, io))
+                idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
+                rows = gl.where(idx >= 0, idx, 0).to(gl.int64) * D
+                async_copy.async_copy_global_to_shared(ring.index(stage).slice(r, 16, dim=0),
+                                                       KV + rows[:, None] + cols[None, :])
+            async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
+            async_copy.commit_group()
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _pp_consumer(IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_smem, ring, p_buf, stats, full, empty,
+                     pready, pfree, W: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # Ping-pong schedule, consumer warpgroup W: owns output columns [W * D/2, (W+1) * D/2). Blocks b with
+        # b % 2 == W: scores over the full contraction, online softmax from the running max the other warpgroup
+        # left, P (bf16) and the row statistics published through shared memory. Every block: both warpgroups
+        # rescale and add P V for their columns. Scores of one block run on the tensor cores while the other
+        # warpgroup does its softmax.
+        HALF: gl.constexpr = D // 2
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_base = t * K
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([64], gl.float32, layout=row_layout)
+        acc = gl.zeros([64, HALF], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+        for b in range(gl.cdiv(K, BLOCK_N)):
+            stage = b % STAGES
+            half = b % 2
+            kv = ring.index(stage)
+            mbarrier.wait(full.index(stage), (b // STAGES) & 1)
+            if half == W:
+                fence_async_shared()
+                s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
+                n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
+                s = gl.where((idx >= 0)[None, :], s * qk_scale_log2, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1))
+                # An all-empty block keeps m at -inf: shift by 0 instead so that no -inf - -inf NaN appears.
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_safe)
+                p = gl.exp2(s - m_safe[:, None])
+                row_sum = gl.sum(p, 1)
+                mbarrier.wait(pfree.index(half), ((b // 2) + 1) & 1, pred=b >= 2)   # both used P of block b - 2
+                p_buf.index(half).store(p.to(dtype))
+                stats.index(3 * half).store(alpha)
+                stats.index(3 * half + 1).store(row_sum)
+                stats.index(3 * half + 2).store(m_new)
+                fence_async_shared()
+                mbarrier.arrive(pready.index(half))
+            else:
+                mbarrier.wait(pready.index(half), (b // 2) & 1)
+                fence_async_shared()
+                alpha = stats.index(3 * half).load(row_layout)
+                row_sum = stats.index(3 * half + 1).load(row_layout)
+                m_new = stats.index(3 * half + 2).load(row_layout)
+            l_i = l_i * alpha + row_sum
+            m_i = m_new
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            acc = warpgroup_mma(p_buf.index(half), kv.slice(W * HALF, HALF, dim=1), acc)
+            mbarrier.arrive(pfree.index(half))
+            mbarrier.arrive(empty.index(stage))
+        _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, W * HALF, D, W == 0)
+
+    @gluon.jit
+    def _sparse_attn_fwd_gluon_pingpong(Q, KV, IDX, SINK, OUT, LSE, H, K, qk_scale_log2,
+                                        D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                        num_warps: gl.constexpr):
+        # Three warpgroups: this partition and a worker are the consumers (_pp_consumer), a worker gathers.
+        NUM_HB = H // 64
+        pid = gl.program_id(0)
+        hb = pid % NUM_HB
+        t = (pid // NUM_HB).to(gl.int64)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_smem = gl.allocate_shared_memory(dtype, [64, D], gl.NVMMASharedLayout.get_default_for([64, D], dtype))
+        ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
+        p_buf = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
+                                          gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
+        stats = gl.allocate_shared_memory(gl.float32, [6, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=128)
+            mbarrier.init(empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(pready.index(i), count=1)
+            mbarrier.init(pfree.index(i), count=2)
+        gl.warp_specialize([
+            (_pp_consumer, (IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_smem, ring, p_buf, stats, full, empty,
+                            pready, pfree, gl.constexpr(0), D, BLOCK_N, STAGES)),
+            (_pp_consumer, (IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_smem, ring, p_buf, stats, full, empty,
+                            pready, pfree, gl.constexpr(1), D, BLOCK_N, STAGES)),
+            (_pp_producer, (Q, KV, IDX, H, K, t, hb, q_smem, ring, full, empty, D, BLOCK_N, STAGES))],
+            [4, 4], [232, 24])
+
 
     @gluon.jit
     def _sparse_attn_fwd_gluon(Q, KV, IDX, SINK, OUT, LSE, H, K, qk_scale_log2,
@@ -115,7 +340,7 @@ if _IMPORTED:
         PROLOGUE: gl.constexpr = STAGES if OVERLAP else STAGES - 1
         for b in gl.static_range(PROLOGUE):
             if b < num_blocks:
-                _gather(kv_ring, b, KV, IDX, row_base, K, b, BLOCK_N, D, io)
+                _gather(kv_ring, b, KV, IDX, row_base, K, b, 0, BLOCK_N, D, D, io)
             async_copy.commit_group()
 
         heads = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, io))
@@ -145,7 +370,7 @@ if _IMPORTED:
                 acc = warpgroup_mma_wait(0, deps=(acc_tok,))
                 gl.thread_barrier()              # every warp's P V of this block is done: refill its stage
                 if block + STAGES < num_blocks:
-                    _gather(kv_ring, block % STAGES, KV, IDX, row_base, K, block + STAGES, BLOCK_N, D, io)
+                    _gather(kv_ring, block % STAGES, KV, IDX, row_base, K, block + STAGES, 0, BLOCK_N, D, D, io)
                 async_copy.commit_group()
             acc = acc * alpha[:, None]
             acc = warpgroup_mma(p_op, kv_ring.index((num_blocks - 1) % STAGES), acc)
@@ -155,7 +380,7 @@ if _IMPORTED:
                 gl.thread_barrier()
                 ahead = block + STAGES - 1
                 if (ahead < num_blocks) and (SKIP != 4):
-                    _gather(kv_ring, ahead % STAGES, KV, IDX, row_base, K, ahead, BLOCK_N, D, io)
+                    _gather(kv_ring, ahead % STAGES, KV, IDX, row_base, K, ahead, 0, BLOCK_N, D, D, io)
                 async_copy.commit_group()
                 _land(STAGES - 1)                # this block's copies
                 kv = kv_ring.index(block % STAGES)
@@ -173,20 +398,7 @@ if _IMPORTED:
                     acc = warpgroup_mma(p_op, kv, acc)
         async_copy.wait_group(0)
 
-        # Sink in the denominator only: out = acc / (l + 2^(sink log2e - m)); rows without keys (l == 0) give 0.
-        h_s = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-        sink = gl.load(SINK + h_s)
-        m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-        denom = l_i + gl.exp2(sink * 1.4426950408889634 - m_safe)
-        has_keys = l_i > 0
-        lse = gl.where(has_keys, (m_safe + gl.log2(gl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
-                       float("-inf"))
-        gl.store(LSE + t * H + h_s, lse)
-        scale_o = gl.where(has_keys, 1.0 / denom, 0.0)
-        out = acc * gl.convert_layout(scale_o, gl.SliceLayout(1, o_layout))[:, None]
-        h_o = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
-        c_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        gl.store(OUT + t * H * D + h_o.to(gl.int64)[:, None] * D + c_o[None, :], out.to(Q.dtype.element_ty))
+        _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, 0, D, True)
 
 
 def launch_fwd(q, kv, idx, sink, out, lse, scale, config=None):
@@ -194,6 +406,16 @@ def launch_fwd(q, kv, idx, sink, out, lse, scale, config=None):
     :func:`.triton._sparse_attn_fwd`, allocates them and handles the empty cases)."""
     T, H, D = q.shape
     cfg = dict(FWD_CONFIG, **(config or {}))
+    if cfg.get("PINGPONG"):
+        _sparse_attn_fwd_gluon_pingpong[(T * (H // BLOCK_H),)](
+            q, kv, idx, sink, out, lse, H, idx.shape[1], scale * LOG2E,
+            D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4)
+        return
+    if cfg.get("SPLIT_D"):
+        _sparse_attn_fwd_gluon_split_d[(T * (H // BLOCK_H),)](
+            q, kv, idx, sink, out, lse, H, idx.shape[1], scale * LOG2E,
+            D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4)
+        return
     _sparse_attn_fwd_gluon[(T * (H // BLOCK_H),)](
         q, kv, idx, sink, out, lse, H, idx.shape[1], scale * LOG2E,
         D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=cfg["num_warps"],
