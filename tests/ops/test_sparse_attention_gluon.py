@@ -43,11 +43,8 @@ def inputs(T, H, D, K, N, dtype, gen, sink_kind="random"):
     (33, 64, 128, 64, 64, torch.bfloat16, "random"),
     (20, 64, 512, 7, 5, torch.bfloat16, "random"),           # fewer slots than one block
 ])
-@pytest.mark.parametrize("config", [dict(), dict(OVERLAP=True), dict(BLOCK_N=32, STAGES=4, OVERLAP=True),
-                                    dict(SPLIT_D=True), dict(SPLIT_D=True, BLOCK_N=32, STAGES=4),
-                                    dict(PINGPONG=True), dict(PINGPONG=True, BLOCK_N=32, STAGES=4)],
-                         ids=["default", "overlap", "overlap-32x4", "split-d", "split-d-32x4", "pingpong",
-                              "pingpong-32x4"])
+@pytest.mark.parametrize("config", [dict(), dict(BLOCK_N=32, STAGES=4), dict(BLOCK_N=32, STAGES=3)],
+                         ids=["default", "32x4", "32x3"])
 def test_gluon_forward_matches_float64_reference(T, H, D, K, N, dtype, sink_kind, config):
     gen = torch.Generator().manual_seed(T * 7 + K)
     q, kv, idx, sink = inputs(T, H, D, K, N, dtype, gen, sink_kind)

@@ -11,8 +11,9 @@ are walked in blocks of ``BLOCK_N`` gathered kv rows. Scores need the full D con
 over ``BLOCK_DK`` column chunks; the value / gradient columns are split over ``D // BLOCK_DV`` programs so the
 fp32 accumulator stays ``BLOCK_H x BLOCK_DV`` (a 64 x 512 fp32 accumulator does not fit in registers). The
 price is that each value slice recomputes the scores. At D = 512 one program owns all columns instead (FWD_CONFIGS).
-On SM90 GPUs the forward runs the Gluon kernel of :mod:`.gluon_hopper` by default (asynchronous row gathers; the
-Triton pipeliner leaves these gathers synchronous); :data:`FORWARD_KERNEL` or a config's ``KERNEL`` key chooses.
+On SM90 GPUs the forward runs the warp-specialised Gluon kernel of :mod:`.gluon_hopper` by default (asynchronous
+row gathers by a producer warpgroup; the Triton pipeliner leaves these gathers synchronous); :data:`FORWARD_KERNEL`
+or a config's ``KERNEL`` key chooses.
 
 Backward: d_sink is a (T, H) reduction in PyTorch from Delta = dO.out = sum_k p_k dO.v_k, which the kernels
 compute from fp32 probabilities (as the reference does; dO . bf16-out would carry the output rounding and the bf16
