@@ -87,7 +87,7 @@ def v4_case():
 # Accuracy at V4 shapes
 
 @pytest.fixture(params=["triton", "gluon"])
-def forward_kernel(request, monkeypatch):
+def forward_impl(request, monkeypatch):
     """Runs a test once per forward kernel (the Gluon one only where it applies: SM90)."""
     from dsv4attn.ops.sparse_attention import gluon_hopper, triton as sat
 
@@ -99,7 +99,7 @@ def forward_kernel(request, monkeypatch):
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-def test_kernel_matches_float64_reference_v4(v4_case, deterministic, forward_kernel):
+def test_kernel_matches_float64_reference_v4(v4_case, deterministic, forward_impl):
     (q, kv, idx, sink, grad_out), low, exact = v4_case
     assert backend.choose("sparse_attention", q.device) == "triton"
     kernel = [x.double() for x in run(op(idx, deterministic=deterministic), q, kv, sink, grad_out)]

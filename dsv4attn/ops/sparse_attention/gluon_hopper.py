@@ -41,13 +41,15 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 LOG2E = 1.4426950408889634
 BLOCK_H = 64
 # BLOCK_N: gathered rows per block; STAGES: ring depth; REGS: registers per thread of the worker consumer and the
-# producer (setmaxnreg; the first consumer gets the rest of the 64K). H200, T = 32768, H = 64, K = 640: 64 rows x
-# 2 stages 7.77 ms, 32 x 4 9.11 ms, 32 x 3 9.15 ms.
-FWD_CONFIG = dict(BLOCK_N=64, STAGES=2, REGS=(232, 24))
+# producer (setmaxnreg; the first consumer gets the rest of the 64K). H200, T = 32768, H = 64, K = 640: REGS
+# (216, 40) 7.32-7.38 ms, (232, 24) 7.70-7.78, (200, 56) 7.45, (184, 72) 10.5 (consumer spills); 32 rows x 4 / 3
+# stages 9.2 ms.
+FWD_CONFIG = dict(BLOCK_N=64, STAGES=2, REGS=(216, 40))
 
 
 def available(q: torch.Tensor) -> bool:
-    """True when this kernel can run for ``q``: Gluon imported, q on an SM90 GPU, bf16/fp16, H % 64 == 0."""
+    """True when this kernel can run for ``q``: Gluon imported, q on an SM90 GPU, bf16/fp16, H % 64 == 0 and
+    D in (128, 256, 512)."""
     if not _IMPORTED or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -56,6 +58,10 @@ def available(q: torch.Tensor) -> bool:
 
 
 if _IMPORTED:
+    # Module-level numbers a jit function reads must be constexpr.
+    LOG2E_C = gl.constexpr(LOG2E)
+    LN2_C = gl.constexpr(0.6931471805599453)
+    BLOCK_H_C = gl.constexpr(BLOCK_H)
 
     @gluon.jit
     def _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, col0, D: gl.constexpr, WRITE_LSE: gl.constexpr):
@@ -63,18 +69,18 @@ if _IMPORTED:
         # ``acc`` holds output columns [col0, col0 + its width) of the 64 heads of head block ``hb``.
         row_layout: gl.constexpr = m_i.type.layout
         o_layout: gl.constexpr = acc.type.layout
-        h_s = hb * 64 + gl.arange(0, 64, layout=row_layout)
+        h_s = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=row_layout)
         sink = gl.load(SINK + h_s)
         m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-        denom = l_i + gl.exp2(sink * 1.4426950408889634 - m_safe)
+        denom = l_i + gl.exp2(sink * LOG2E_C - m_safe)
         has_keys = l_i > 0
         if WRITE_LSE:
-            lse = gl.where(has_keys, (m_safe + gl.log2(gl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
+            lse = gl.where(has_keys, (m_safe + gl.log2(gl.where(has_keys, l_i, 1.0))) * LN2_C,
                            float("-inf"))
             gl.store(LSE + t * H + h_s, lse)
         scale_o = gl.where(has_keys, 1.0 / denom, 0.0)
         out = acc * gl.convert_layout(scale_o, gl.SliceLayout(1, o_layout))[:, None]
-        h_o = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+        h_o = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, o_layout))
         c_o = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout))
         gl.store(OUT + t * H * D + h_o.to(gl.int64)[:, None] * D + c_o[None, :], out.to(OUT.dtype.element_ty))
 
@@ -85,9 +91,10 @@ if _IMPORTED:
         # consumers have released it; each thread's cp.async completions arrive on full[stage] (count 128).
         io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         row_base = t * K
-        heads = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, io))
+        heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, io))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, io))
         async_copy.async_copy_global_to_shared(q_smem, Q + t * H * D + heads.to(gl.int64)[:, None] * D + cols[None, :])
+        async_copy.commit_group()           # waited for below even when K == 0 (no block arrives on full[])
         for b in range(gl.cdiv(K, BLOCK_N)):
             stage = b % STAGES
             mbarrier.wait(empty.index(stage), ((b // STAGES) + 1) & 1, pred=b >= STAGES)
@@ -107,8 +114,10 @@ if _IMPORTED:
         # Ping-pong schedule, consumer warpgroup W: owns output columns [W * D/2, (W+1) * D/2). Blocks b with
         # b % 2 == W: scores over the full contraction, online softmax from the running max the other warpgroup
         # left, P (bf16) and the row statistics published through shared memory. Every block: both warpgroups
-        # rescale and add P V for their columns. Scores of one block run on the tensor cores while the other
-        # warpgroup does its softmax.
+        # rescale and add P V for their columns. The softmaxes run one after the other (block b's needs block
+        # b - 1's running max); what overlaps is the producer's gathers and the two halves of P V.
+        # mbarrier.arrive is issued by one thread; Triton puts a barrier of the warpgroup before it (an arrive
+        # counts as touching all shared memory), so every thread's stores are done when the other side wakes.
         HALF: gl.constexpr = D // 2
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -117,10 +126,10 @@ if _IMPORTED:
                                                            instr_shape=[16, HALF, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_base = t * K
-        m_i = gl.full([64], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.zeros([64], gl.float32, layout=row_layout)
-        acc = gl.zeros([64, HALF], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+        m_i = gl.full([BLOCK_H_C], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([BLOCK_H_C], gl.float32, layout=row_layout)
+        acc = gl.zeros([BLOCK_H_C, HALF], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
         for b in range(gl.cdiv(K, BLOCK_N)):
             stage = b % STAGES
             half = b % 2
@@ -164,17 +173,17 @@ if _IMPORTED:
                                D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                num_warps: gl.constexpr, REGS: gl.constexpr):
         # Three warpgroups: this partition and a worker are the consumers (_pp_consumer), a worker gathers.
-        NUM_HB = H // 64
+        NUM_HB = H // BLOCK_H_C
         pid = gl.program_id(0)
         hb = pid % NUM_HB
         t = (pid // NUM_HB).to(gl.int64)
         dtype: gl.constexpr = Q.dtype.element_ty
-        q_smem = gl.allocate_shared_memory(dtype, [64, D], gl.NVMMASharedLayout.get_default_for([64, D], dtype))
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H_C, D], gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
         ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
-        p_buf = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
-                                          gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
-        stats = gl.allocate_shared_memory(gl.float32, [6, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        p_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, BLOCK_N], dtype))
+        stats = gl.allocate_shared_memory(gl.float32, [6, BLOCK_H_C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -191,13 +200,15 @@ if _IMPORTED:
             (_pp_consumer, (IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_smem, ring, p_buf, stats, full, empty,
                             pready, pfree, gl.constexpr(1), D, BLOCK_N, STAGES)),
             (_pp_producer, (Q, KV, IDX, H, K, t, hb, q_smem, ring, full, empty, D, BLOCK_N, STAGES))],
-            [4, 4], [232, 24])
-
+            [4, 4], [REGS[0], REGS[1]])
 
 
 def launch_fwd(q, kv, idx, sink, out, lse, scale, config=None):
     """Fills ``out`` (T, H, D) and ``lse`` (T, H) for T >= 1 rows and a kv of >= 1 row (the caller,
     :func:`.triton._sparse_attn_fwd`, allocates them and handles the empty cases). ``config``: FWD_CONFIG keys."""
+    unknown = sorted(set(config or {}) - set(FWD_CONFIG))
+    if unknown:
+        raise ValueError(f"Gluon forward config: unknown keys {unknown}; expected some of {sorted(FWD_CONFIG)}")
     T, H, D = q.shape
     cfg = dict(FWD_CONFIG, **(config or {}))
     _sparse_attn_fwd_gluon[(T * (H // BLOCK_H),)](

@@ -44,7 +44,7 @@ import warnings
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
+from triton.runtime.errors import OutOfResources, TritonError
 
 from ... import backend
 from ..triton_common import dot, dot_mode, round_to
@@ -97,11 +97,11 @@ BWD_PASSES = {
     "split": ("DELTA+DQ", "DKV"),             # 9 GEMMs, 2 launches: no program holds dq and a dKV tile at once
     "split3": ("DELTA", "DQ", "DKV"),         # 9 GEMMs, 3 launches
 }
-# Forward kernel: "auto" (Gluon on SM90 where it applies, else Triton), "gluon" or "triton"; a config's "KERNEL" key
-# overrides it per call.
+# Forward kernel when no config is passed: "auto" (Gluon on SM90 where it applies, else Triton), "gluon" or "triton";
+# a config's "KERNEL" key chooses per call (a config without it is a Triton tile config).
 FORWARD_KERNEL = "auto"
-# Why "auto" stopped choosing Gluon in this process (its first launch failed), or None.
-_GLUON_FAILED: str | None = None
+# (D, dtype) -> why the Gluon forward could not be built for it in this process ("auto" then uses Triton for it).
+GLUON_FAILED: dict = {}
 SUPPORTED_D = tuple(FWD_CONFIGS)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # fp32 elements of the deterministic backward's per-(row, slot) dKV buffer (512 MiB): T = 4096, K = 640, D = 512
@@ -445,22 +445,29 @@ def _launch(kernel, grid_of, q, config: dict, args: tuple):
 
 
 def forward_kernel(q: torch.Tensor, config: dict | None = None) -> str:
-    """Which forward runs for ``q``: ``config["KERNEL"]`` if given, else :data:`FORWARD_KERNEL` ("auto": the Gluon
-    Hopper kernel where :func:`.gluon_hopper.available`, the Triton kernel elsewhere)."""
-    choice = (config or {}).get("KERNEL", FORWARD_KERNEL)
+    """Which forward runs for ``q``: ``config["KERNEL"]`` if given; a config without that key is a Triton tile
+    config (FWD_CONFIGS keys); with no config, :data:`FORWARD_KERNEL` ("auto": the Gluon Hopper kernel where
+    :func:`.gluon_hopper.available` and it has not failed to build for this D and dtype, the Triton kernel
+    elsewhere)."""
+    choice = config.get("KERNEL", "triton") if config else FORWARD_KERNEL
     if choice not in ("auto", "gluon", "triton"):
         raise ValueError(f"forward KERNEL must be 'auto', 'gluon' or 'triton', got {choice!r}")
     if choice == "auto":
-        return "gluon" if gluon_hopper.available(q) and _GLUON_FAILED is None else "triton"
+        usable = gluon_hopper.available(q) and (q.shape[2], q.dtype) not in GLUON_FAILED
+        return "gluon" if usable else "triton"
     if choice == "gluon" and not gluon_hopper.available(q):
         raise ValueError("forward KERNEL='gluon' needs Gluon, an SM90 GPU, bf16/fp16 q, H % 64 == 0 and "
                          f"D in (128, 256, 512); got q {tuple(q.shape)} {q.dtype} on {q.device}")
     return choice
 
 
+def _gluon_build_error(exc: Exception) -> bool:
+    """Errors that mean "this Triton cannot build the Gluon kernel" (compile, ptxas, resources, MLIR passes)."""
+    return isinstance(exc, TritonError) or (isinstance(exc, RuntimeError) and "PassManager" in str(exc))
+
+
 def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
     """q (T, H, D), kv (N, D), idx (T, K) int32, sink (H,) fp32 -> out (T, H, D) q.dtype, lse (T, H) fp32."""
-    global _GLUON_FAILED
     T, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
@@ -468,21 +475,24 @@ def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
         return out, lse
     if kv.shape[0] == 0:                       # every slot is empty; the kernels still read row 0 of kv
         kv = kv.new_zeros(1, D)
-    kernel = forward_kernel(q, config)
     rest = {k: v for k, v in (config or {}).items() if k != "KERNEL"}
-    if kernel == "gluon":
-        if (config or {}).get("KERNEL", FORWARD_KERNEL) == "gluon":
+    if forward_kernel(q, config) == "gluon":
+        if config and config.get("KERNEL") == "gluon":
             gluon_hopper.launch_fwd(q, kv, idx, sink, out, lse, scale, rest)
             return out, lse
         try:
             gluon_hopper.launch_fwd(q, kv, idx, sink, out, lse, scale, rest)
             return out, lse
-        except Exception as exc:  # noqa: BLE001 - "auto" must not fail where the Triton kernel works
+        except Exception as exc:
+            if not _gluon_build_error(exc):
+                raise
             # Gluon is experimental and changes between Triton releases: if this Triton cannot build the kernel,
-            # say so once and use the Triton kernel from now on. An explicit KERNEL="gluon" raises instead.
-            _GLUON_FAILED = f"{type(exc).__name__}: {str(exc)[:300]}"
-            warnings.warn(f"dsv4attn: the Gluon sparse-attention forward failed ({_GLUON_FAILED}); "
-                          "using the Triton kernel", RuntimeWarning, stacklevel=2)
+            # say so once per (D, dtype) and use the Triton kernel for it. An explicit KERNEL="gluon" raises.
+            GLUON_FAILED[(D, q.dtype)] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"dsv4attn: the Gluon sparse-attention forward could not be built for D={D} {q.dtype} "
+                          f"({type(exc).__name__}: {str(exc)[:500]}); using the Triton kernel",
+                          RuntimeWarning, stacklevel=2)
+            rest = {}
     _launch(_sparse_attn_fwd_kernel, lambda grid, meta: grid, q, rest or FWD_CONFIGS[D],
             (q, kv, idx, sink, out, lse, H, idx.shape[1], scale * LOG2E))
     return out, lse
