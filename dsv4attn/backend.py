@@ -3,7 +3,9 @@
 ``"reference"``: the readable PyTorch implementation (any device, float64-capable).
 ``"triton"``: fused kernels, used on CUDA when Triton is importable and the op has a kernel registered.
 Override with ``set_backend("reference")`` / ``set_backend("triton")``, or ``DSV4ATTN_BACKEND``; ``None``/``"auto"``
-restores the automatic choice.
+restores the automatic choice. Within the Triton backend the sparse-attention forward has two kernels: on SM90 GPUs
+a warp-specialised Gluon kernel, elsewhere the Triton one; ``DSV4ATTN_FORWARD_KERNEL=triton`` (or ``gluon``, ``auto``)
+or ``dsv4attn.ops.sparse_attention.triton.FORWARD_KERNEL`` chooses.
 """
 from __future__ import annotations
 

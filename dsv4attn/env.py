@@ -26,6 +26,11 @@ def report() -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for op in OPS:
         lines.append(f"op {op:<17} -> {backend.choose(op, device)} on {device.type}")
+    if device.type == "cuda" and backend.choose("sparse_attention", device) == "triton":
+        from .ops.sparse_attention import triton as sparse_triton
+        q = torch.empty(1, 64, 512, device=device, dtype=torch.bfloat16)
+        lines.append(f"sparse_attention forward kernel (bf16, 64 heads, D = 512) -> "
+                     f"{sparse_triton.forward_kernel(q)}")
     return "\n".join(lines)
 
 

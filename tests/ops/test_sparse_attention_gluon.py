@@ -81,7 +81,7 @@ def test_gluon_forward_refuses_what_it_cannot_run(shape, dtype):
     with pytest.raises(ValueError, match="KERNEL='gluon'"):
         sat.forward_kernel(q, {"KERNEL": "gluon"})
     assert sat.forward_kernel(q, {"KERNEL": "auto"}) == "triton"
-    with pytest.raises(ValueError, match="forward KERNEL must be"):
+    with pytest.raises(ValueError, match="must be 'auto', 'gluon' or 'triton', got 'cuda'"):
         sat.forward_kernel(q, {"KERNEL": "cuda"})
 
 
@@ -129,6 +129,16 @@ def test_a_config_without_kernel_is_a_triton_config(monkeypatch):
     config = dict(sat.FWD_CONFIGS[128], BLOCK_N=32)
     sat._sparse_attn_fwd(*args, config)
     assert launched == [(sat._sparse_attn_fwd_kernel, config)]
+
+
+def test_forward_kernel_setting_is_validated(monkeypatch):
+    """FORWARD_KERNEL (from DSV4ATTN_FORWARD_KERNEL) picks the forward when no config is passed."""
+    q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(sat, "FORWARD_KERNEL", "triton")
+    assert sat.forward_kernel(q) == "triton"
+    monkeypatch.setattr(sat, "FORWARD_KERNEL", "fast")
+    with pytest.raises(ValueError, match="DSV4ATTN_FORWARD_KERNEL.*got 'fast'"):
+        sat.forward_kernel(q)
 
 
 def test_gluon_config_keys_are_checked():

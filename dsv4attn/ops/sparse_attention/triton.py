@@ -39,6 +39,7 @@ from __future__ import annotations
 
 
 
+import os
 import warnings
 
 import torch
@@ -97,9 +98,10 @@ BWD_PASSES = {
     "split": ("DELTA+DQ", "DKV"),             # 9 GEMMs, 2 launches: no program holds dq and a dKV tile at once
     "split3": ("DELTA", "DQ", "DKV"),         # 9 GEMMs, 3 launches
 }
-# Forward kernel when no config is passed: "auto" (Gluon on SM90 where it applies, else Triton), "gluon" or "triton";
-# a config's "KERNEL" key chooses per call (a config without it is a Triton tile config).
-FORWARD_KERNEL = "auto"
+# Forward kernel when no config is passed: "auto" (Gluon on SM90 where it applies, else Triton), "gluon" or "triton"
+# (environment variable DSV4ATTN_FORWARD_KERNEL); a config's "KERNEL" key chooses per call (a config without it is a
+# Triton tile config).
+FORWARD_KERNEL = os.environ.get("DSV4ATTN_FORWARD_KERNEL", "auto")
 # (D, dtype) -> why the Gluon forward could not be built for it in this process ("auto" then uses Triton for it).
 GLUON_FAILED: dict = {}
 SUPPORTED_D = tuple(FWD_CONFIGS)
@@ -451,7 +453,8 @@ def forward_kernel(q: torch.Tensor, config: dict | None = None) -> str:
     elsewhere)."""
     choice = config.get("KERNEL", "triton") if config else FORWARD_KERNEL
     if choice not in ("auto", "gluon", "triton"):
-        raise ValueError(f"forward KERNEL must be 'auto', 'gluon' or 'triton', got {choice!r}")
+        raise ValueError(f"forward KERNEL (config key, or DSV4ATTN_FORWARD_KERNEL) must be 'auto', 'gluon' or "
+                         f"'triton', got {choice!r}")
     if choice == "auto":
         usable = gluon_hopper.available(q) and (q.shape[2], q.dtype) not in GLUON_FAILED
         return "gluon" if usable else "triton"
