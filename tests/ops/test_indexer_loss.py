@@ -220,3 +220,29 @@ def test_no_compressed_entry_with_static_max_seqlen():
                                    torch.randn(3, 2)), index_q, index_k, index_w, (), torch.ones(3))
     assert torch.equal(kl, torch.zeros(3)) and torch.equal(dq, torch.zeros_like(dq))
     assert dk.shape == (0, 4) and torch.equal(dw, torch.zeros_like(dw))
+
+
+def test_full_lse_form_equals_outside_form():
+    """Given each head's full denominator L = logaddexp(outside, lse_S) instead of the outside mass, the loss and
+    its gradients are the same (float64)."""
+    index_q, index_k, index_w, q, ckv, cand, outside = make_case(6, empty_rows=(3,))
+    scale = q.shape[-1] ** -0.5
+    valid = cand >= 0
+    logits = torch.einsum("thd,tkd->thk", q, ckv[cand.clamp(min=0)]) * scale
+    full = torch.logaddexp(outside, torch.logsumexp(logits.masked_fill(~valid[:, None, :], float("-inf")), -1))
+    grad_kl = torch.randn(q.shape[0], dtype=q.dtype, generator=torch.Generator().manual_seed(6))
+    got = run_with_grads(lambda a, b, c: indexer_kl(a, b, c, q, ckv, cand, full_lse=full), index_q, index_k,
+                         index_w, (), grad_kl)
+    want = run_with_grads(lambda a, b, c: indexer_kl(a, b, c, q, ckv, cand, outside), index_q, index_k, index_w,
+                          (), grad_kl)
+    for name, g, w in zip(("kl", "d_index_q", "d_index_k", "d_index_weights"), got, want):
+        torch.testing.assert_close(g, w, **FP64, msg=lambda m: f"{name}: {m}")
+    assert got[0].abs().max() > 1e-3 and got[0][3] == 0                 # a real loss; the empty row gives 0
+
+
+def test_exactly_one_denominator_form():
+    index_q, index_k, index_w, q, ckv, cand, outside = make_case(7)
+    with pytest.raises(ValueError, match="exactly one of outside_lse .* got both"):
+        indexer_kl(index_q, index_k, index_w, q, ckv, cand, outside, full_lse=outside)
+    with pytest.raises(ValueError, match="got neither"):
+        indexer_kl(index_q, index_k, index_w, q, ckv, cand)

@@ -40,9 +40,10 @@ TWO_PASS = dict(ONE_BLOCK_MAX_N=0, BLOCK_N=16)
 
 
 def _case(dtype, kind="explicit", T=16, H=5, D=32, Hi=3, Di=16, Nc=40, K=20, fwd=None, bwd_n=None,
-          save_g=True, budget=None, lengths=None, teacher_dtype=None):
+          save_g=True, budget=None, lengths=None, teacher_dtype=None, full=False):
+    # full: the kernel is given each head's full denominator (full_lse) instead of the outside mass.
     return dict(dtype=dtype, kind=kind, T=T, H=H, D=D, Hi=Hi, Di=Di, Nc=Nc, K=K, fwd=fwd or ONE_BLOCK,
-                bwd_n=bwd_n, save_g=save_g, budget=budget, lengths=lengths, teacher_dtype=teacher_dtype)
+                bwd_n=bwd_n, save_g=save_g, budget=budget, lengths=lengths, teacher_dtype=teacher_dtype, full=full)
 
 
 # tests/packs.py's ragged lengths (length 1, < 4, == 4, 4 + 1, not divisible, an empty document) and one document
@@ -71,6 +72,14 @@ CASES = {
     "bf16-ragged-like-h200-test-one-tile": _case("bf16", kind="visible", lengths=RAGGED_GPU),
     "bf16-ragged-like-h200-test-two-pass-recompute": _case("bf16", kind="visible", lengths=RAGGED_GPU, fwd=TWO_PASS,
                                                      save_g=False, bwd_n=16),
+    "fp32-topk-full-denominator": _case("fp32", K=36, Nc=50, fwd=TWO_PASS, full=True),
+    "bf16-topk-full-denominator": _case("bf16", K=36, Nc=50, fwd=TWO_PASS, full=True),
+    "bf16-topk-full-denominator-recompute-bwd": _case("bf16", save_g=False, bwd_n=16, K=36, Nc=50, fwd=TWO_PASS,
+                                                      full=True),
+    "bf16-causal-topk-full-denominator-default-config": _case("bf16", kind="causal", T=CAUSAL_T, K=20, fwd={},
+                                                              full=True),
+    "bf16-visible-full-denominator-chunks": _case("bf16", kind="visible", lengths=RAGGED_WIDE, fwd=TWO_PASS,
+                                                  budget=9 * 17, full=True),
 }
 
 
@@ -116,6 +125,20 @@ def _inputs(c, seed):
     outside[5, :2] = -math.inf
     grad_kl = torch.rand(T, generator=gen, dtype=torch.float64) + 0.5
     return index_q, index_k, index_w, q, ckv, outside, cand, grad_kl
+
+
+def _with_full_lse(inputs):
+    """The inputs with the outside mass replaced by each head's full denominator L = logaddexp(outside, lse_S),
+    computed in float64 from the rounded inputs, then stored in fp32 (what a caller would pass as full_lse)."""
+    index_q, index_k, index_w, q, ckv, outside, cand, grad_kl = inputs
+    full = torch.empty_like(outside, dtype=torch.float64)
+    for s in range(0, q.shape[0], 256):                                       # rows in chunks: (256, K, D) gathers
+        e = min(s + 256, q.shape[0])
+        idx = cand.rows(s, e).long()
+        logits = torch.einsum("thd,tkd->thk", q[s:e].double(), ckv.double()[idx.clamp(min=0)]) * q.shape[-1] ** -0.5
+        logits = logits.masked_fill(~(idx >= 0)[:, None, :], float("-inf"))
+        full[s:e] = torch.logaddexp(outside[s:e].double(), torch.logsumexp(logits, dim=-1))
+    return index_q, index_k, index_w, q, ckv, full.float(), cand, grad_kl
 
 
 def _run(fn, inputs, widen=False):
@@ -167,10 +190,12 @@ def _worker() -> None:
         saved = klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET
         klt.SAVE_G_MAX_WIDTH = klt.SAVE_G_MAX_WIDTH if c["save_g"] else -1
         klt.INDEX_BUDGET = c["budget"] or klt.INDEX_BUDGET
-        kernel = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, bwd_config=bwd), inputs)
+        full = c["full"]
+        given = _with_full_lse(inputs) if full else inputs
+        kernel = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, bwd_config=bwd, full=full), given)
         klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET = saved
-        ref_low = _run(indexer_kl_reference, inputs)
-        exact = _run(indexer_kl_reference, inputs, widen=True)
+        ref_low = _run(lambda *a: indexer_kl_reference(*a, full=full), given)
+        exact = _run(indexer_kl_reference, inputs, widen=True)         # the outside-mass form: ground truth
         results[case_id] = _compare(kernel, ref_low, exact)
         results[case_id]["width"] = inputs[6].width
 
@@ -179,13 +204,16 @@ def _worker() -> None:
     edge = {}
     base = _inputs(CASES["fp32-topk-one-tile"], 7)
     for name, value in (("tiny_mass", 70.0), ("underflow", 200.0)):
-        inputs = list(base)
-        inputs[5] = torch.full_like(base[5], value)
-        kernel = _run(klt.indexer_kl_triton, inputs)
-        exact = _run(indexer_kl_reference, inputs, widen=True)
-        edge[name] = dict(bounds=_compare(kernel, _run(indexer_kl_reference, inputs), exact),
-                          all_zero=all(bool((t == 0).all()) for t in kernel),
-                          max_kl=kernel[0].max().item())
+        for full in (False, True):
+            inputs = list(base)
+            inputs[5] = torch.full_like(base[5], value)
+            given = _with_full_lse(inputs) if full else inputs
+            kernel = _run(lambda *a: klt.indexer_kl_triton(*a, full=full), given)
+            exact = _run(indexer_kl_reference, inputs, widen=True)
+            low = _run(lambda *a: indexer_kl_reference(*a, full=full), given)
+            edge[name + ("_full" if full else "")] = dict(
+                bounds=_compare(kernel, low, exact), all_zero=all(bool((t == 0).all()) for t in kernel),
+                max_kl=kernel[0].max().item())
     inputs = list(base)
     inputs[1], inputs[4] = base[1][:0], base[4][:0]
     inputs[6] = Explicit(torch.full((base[0].shape[0], 3), -1, dtype=torch.int32))
@@ -215,7 +243,8 @@ def _worker() -> None:
 
 # The registered ops, on the small cases: which path runs, bitwise agreement of the two paths, torch.library's checks
 # and torch.compile. Each case once with the saved dKL/dI and once with the backward recomputing the teacher.
-OP_CASES = ("bf16-topk-one-tile", "fp32-topk-two-pass", "mixed-q-bf16-compressed-kv-fp32")
+OP_CASES = ("bf16-topk-one-tile", "fp32-topk-two-pass", "mixed-q-bf16-compressed-kv-fp32",
+            "bf16-topk-full-denominator")
 
 
 def _op_checks(klt, plumbing_inputs) -> dict:
@@ -240,13 +269,15 @@ def _op_checks(klt, plumbing_inputs) -> dict:
         c = CASES[case_id]
         fwd = dict(klt.FWD_CONFIG, **c["fwd"])
         inputs = list(_inputs(c, 300 + seed))
+        if c["full"]:
+            inputs = list(_with_full_lse(inputs))
         lazy = list(inputs)
         lazy[6] = Rows(inputs[6], 0, inputs[6].total_rows)
         for save_g in (True, False):
             klt.SAVE_G_MAX_WIDTH = saved[0] if save_g else -1
             klt.INDEX_BUDGET = 5 * inputs[6].width                     # the lazy path: chunks of 5 query rows
-            got = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd), inputs)
-            want = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd), lazy)
+            got = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, full=c["full"]), inputs)
+            want = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, full=c["full"]), lazy)
             equal[f"{case_id}-{'saved' if save_g else 'recompute'}"] = all(
                 torch.equal(a, b) for a, b in zip(got, want))
     klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET = saved
@@ -259,7 +290,8 @@ def _op_checks(klt, plumbing_inputs) -> dict:
     fwd_tiles = [int(klt.FWD_CONFIG[key]) for key in klt.FWD_KEYS]
     bwd_tiles = [int(klt.BWD_CONFIG[key]) for key in klt.BWD_KEYS]
     args = (*leaves, q, ckv, outside, cand.indices, 0.25, True, fwd_tiles, bwd_tiles)
-    checks = [torch.library.opcheck(klt.indexer_kl_op, args)]
+    checks = [torch.library.opcheck(klt.indexer_kl_op, args),
+              torch.library.opcheck(klt.indexer_kl_op, (*args, True))]           # full_lse form
     _, full2, rowstat, g, n_end = klt.indexer_kl_op(*args[:7], 0.25, False, fwd_tiles, bwd_tiles)
     checks.append(torch.library.opcheck(klt.indexer_kl_backward_op,
                                         (grad_kl.float(), *(t.detach() for t in leaves), q, ckv, cand.indices, n_end,
@@ -317,14 +349,16 @@ def test_two_pass_cases_span_several_blocks(interpreted):
             assert interpreted[case_id]["width"] > TWO_PASS["BLOCK_N"], case_id
 
 
-def test_tiny_teacher_mass_is_renormalised(interpreted):
-    m = interpreted["edge"]["tiny_mass"]
+@pytest.mark.parametrize("form", ["", "_full"], ids=["outside-mass", "full-denominator"])
+def test_tiny_teacher_mass_is_renormalised(interpreted, form):
+    m = interpreted["edge"]["tiny_mass" + form]
     assert m["max_kl"] > 1e-2, "the ~1e-30 teacher was normalised to sum 1"
-    _assert_within_bounds("tiny_mass", m["bounds"], low_precision=False)
+    _assert_within_bounds("tiny_mass" + form, m["bounds"], low_precision=False)
 
 
-def test_teacher_mass_below_flt_min_gives_exact_zeros(interpreted):
-    assert interpreted["edge"]["underflow"]["all_zero"]
+@pytest.mark.parametrize("form", ["", "_full"], ids=["outside-mass", "full-denominator"])
+def test_teacher_mass_below_flt_min_gives_exact_zeros(interpreted, form):
+    assert interpreted["edge"]["underflow" + form]["all_zero"]
 
 
 def test_no_compressed_entries(interpreted):
@@ -388,21 +422,26 @@ def flash_inputs(T: int, mode: str, seed: int = 0, device="cuda"):
 
 
 @GPU
-@pytest.mark.parametrize("mode,save_g,fwd", [
-    ("sparse", True, None), ("warmup", True, None), ("warmup", False, None),
-], ids=["sparse-T4096", "warmup-T4096", "warmup-T4096-recompute-bwd"])
-def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd):
+@pytest.mark.parametrize("mode,save_g,fwd,full", [
+    ("sparse", True, None, False), ("warmup", True, None, False), ("warmup", False, None, False),
+    ("sparse", True, None, True), ("sparse", False, None, True),
+], ids=["sparse-T4096", "warmup-T4096", "warmup-T4096-recompute-bwd", "sparse-T4096-full-lse",
+        "sparse-T4096-full-lse-recompute-bwd"])
+def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full):
     from dsv4attn.ops.indexer_loss import triton as klt
     from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
 
     inputs = flash_inputs(4096, mode)
+    given = _with_full_lse(inputs) if full else inputs
     saved = klt.SAVE_G_MAX_WIDTH
     klt.SAVE_G_MAX_WIDTH = saved if save_g else -1
     try:
-        kernel = _run(lambda *a: klt.indexer_kl_triton(*a, config=dict(klt.FWD_CONFIG, **(fwd or {}))), inputs)
+        kernel = _run(lambda *a: klt.indexer_kl_triton(*a, config=dict(klt.FWD_CONFIG, **(fwd or {})), full=full),
+                      given)
     finally:
         klt.SAVE_G_MAX_WIDTH = saved
-    measured = _compare(kernel, _run(indexer_kl_reference, inputs), _run(indexer_kl_reference, inputs, widen=True))
+    measured = _compare(kernel, _run(lambda *a: indexer_kl_reference(*a, full=full), given),
+                        _run(indexer_kl_reference, inputs, widen=True))
     _assert_within_bounds(f"{mode}-T4096", measured, low_precision=True)
 
 

@@ -9,8 +9,9 @@ from .reference import FLT_MIN, indexer_kl_naive, indexer_kl_reference
 
 
 def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
-               compressed_kv: torch.Tensor, candidates: torch.Tensor | IndexSet, outside_lse: torch.Tensor,
-               softmax_scale: float | None = None) -> torch.Tensor:
+               compressed_kv: torch.Tensor, candidates: torch.Tensor | IndexSet,
+               outside_lse: torch.Tensor | None = None, softmax_scale: float | None = None, *,
+               full_lse: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row KL(teacher || student) of the indexer (see ``reference.py`` for the formula).
 
     Args:
@@ -20,6 +21,10 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
         candidates: (T, C) int rows of ``index_k``/``compressed_kv`` forming S_t, -1 = empty (or an IndexSet).
         outside_lse: (T, H) log attention mass outside S_t (window keys + sink), detached.
         softmax_scale: main attention scale, default ``D ** -0.5``.
+        full_lse: instead of ``outside_lse`` (give exactly one), each head's full attention denominator L_h =
+            log(window + sink + S_t mass), detached: when S_t is exactly the main attention's compressed
+            candidates (the sparse phase) this is its ``logaddexp(lse, sink)``, and the kernel then forms the
+            teacher logits once instead of twice.
     Returns:
         (T,) fp32 (fp64 for fp64 inputs) KL per row; 0 for rows with an empty S_t (incl. padding rows).
         The layer loss is ``coeff * kl.sum() / number_of_real_rows``.
@@ -30,7 +35,12 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
     checks.check_tensor("index_weights", index_weights, shape=(T, Hi), device=index_q.device)
     checks.check_tensor("q", q, shape=(T, None, None), device=index_q.device)
     checks.check_tensor("compressed_kv", compressed_kv, shape=(index_k.shape[0], q.shape[2]), device=q.device)
-    checks.check_tensor("outside_lse", outside_lse, shape=(T, q.shape[1]), device=q.device)
+    if (outside_lse is None) == (full_lse is None):
+        raise ValueError("indexer_kl needs exactly one of outside_lse (mass outside S_t) and full_lse (each head's "
+                         f"full denominator); got {'both' if outside_lse is not None else 'neither'}")
+    full = full_lse is not None
+    lse = full_lse if full else outside_lse
+    checks.check_tensor("full_lse" if full else "outside_lse", lse, shape=(T, q.shape[1]), device=q.device)
     if isinstance(candidates, torch.Tensor):
         checks.check_tensor("candidates", candidates, shape=(T, None), dtypes=(torch.int32, torch.int64),
                             device=q.device)
@@ -44,9 +54,9 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
     cand = as_index_set(candidates)
     with backend.exact_math(index_q.device):
         if backend.choose("indexer_kl", index_q.device) == "triton":
-            return backend.kernel("indexer_kl")(index_q, index_k, index_weights, q, compressed_kv, outside_lse,
-                                                cand, scale)
-        return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand, scale)
+            return backend.kernel("indexer_kl")(index_q, index_k, index_weights, q, compressed_kv, lse, cand, scale,
+                                                full=full)
+        return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, lse, cand, scale, full=full)
 
 
 try:  # registers the Triton kernels with the backend (used on CUDA); CPU-only installs run the reference

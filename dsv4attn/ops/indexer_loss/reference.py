@@ -9,7 +9,9 @@ phase, the selected top-k for the sparse phase)::
     Q(j)     = softmax_{j in S_t} I(t, j)                                  student, I = indexer score
     KL_t     = sum_{j in S_t} T(j) (log T(j) - log Q(j))                   0 when S_t is empty
 
-``outside_lse`` is the log of the attention mass outside S_t: window keys plus the sink. Everything is computed in
+``outside_lse`` is the log of the attention mass outside S_t: window keys plus the sink. When S_t is exactly the
+main attention's compressed candidates (the sparse phase), L_h is the attention's own ``logaddexp(lse, sink)`` and
+can be passed instead (``full=True`` / ``indexer_kl(..., full_lse=...)``). Everything is computed in
 fp32 (fp64 for fp64 inputs). Only the student is differentiable (``index_q``, ``index_k``, ``index_weights``);
 the backward uses the closed form ``dKL/dI(j) = Q(j) * sum(T) - T(j)`` on S_t and recomputes chunk by chunk.
 Invalid slots (-1) contribute neither loss nor gradient.
@@ -24,7 +26,7 @@ from ..indexer.reference import index_scores
 FLT_MIN = torch.finfo(torch.float32).tiny
 
 
-def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand, scale):
+def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand, scale, full=False):
     """Student log-probabilities, normalised teacher and what the backward needs, for one chunk of rows."""
     cd = torch.promote_types(index_q.dtype, torch.float32)
     valid = cand >= 0
@@ -36,7 +38,10 @@ def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand,
 
     logits = torch.einsum("chd,ckd->chk", q.to(cd), gather_rows(compressed_kv, cand).to(cd)) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    full_lse = torch.logaddexp(outside_lse.to(cd), torch.logsumexp(logits, dim=-1))
+    if full:                                  # outside_lse already is L_h, the full denominator
+        full_lse = outside_lse.to(cd)
+    else:
+        full_lse = torch.logaddexp(outside_lse.to(cd), torch.logsumexp(logits, dim=-1))
     probs = torch.where(valid[:, None, :], torch.exp(logits - full_lse[..., None]), torch.zeros_like(logits))
     mass = probs.sum(dim=1)                                               # (c, C) summed over heads
     target = mass / mass.sum(dim=-1, keepdim=True).clamp(min=FLT_MIN)
@@ -47,16 +52,16 @@ def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand,
 class _IndexerKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: IndexSet,
-                scale: float):
+                scale: float, full: bool):
         T = index_q.shape[0]
         cd = torch.promote_types(index_q.dtype, torch.float32)
         kl = torch.zeros(T, dtype=cd, device=index_q.device)
         per_row = candidates.width * (index_q.shape[1] + q.shape[1] + q.shape[2])
         for s, e in chunk_rows(T, per_row, device=index_q.device):
             kl[s:e] = _chunk(index_q[s:e], index_k, index_weights[s:e], q[s:e], compressed_kv,
-                             outside_lse[s:e], candidates.rows(s, e), scale)[0]
+                             outside_lse[s:e], candidates.rows(s, e), scale, full)[0]
         ctx.save_for_backward(index_q, index_k, index_weights, q, compressed_kv, outside_lse)
-        ctx.candidates, ctx.scale, ctx.per_row = candidates, scale, per_row
+        ctx.candidates, ctx.scale, ctx.per_row, ctx.full = candidates, scale, per_row, full
         return kl
 
     @staticmethod
@@ -69,7 +74,7 @@ class _IndexerKL(torch.autograd.Function):
         for s, e in chunk_rows(index_q.shape[0], ctx.per_row, device=index_q.device):
             cand = ctx.candidates.rows(s, e)
             _, target, log_q, valid, keys_i = _chunk(index_q[s:e], index_k, index_weights[s:e], q[s:e],
-                                                     compressed_kv, outside_lse[s:e], cand, ctx.scale)
+                                                     compressed_kv, outside_lse[s:e], cand, ctx.scale, ctx.full)
             student = torch.where(valid, log_q.exp(), torch.zeros_like(log_q))
             d_scores = grad_kl[s:e, None].to(cd) * (student * target.sum(-1, keepdim=True) - target)
             qi = index_q[s:e].to(cd)
@@ -80,13 +85,14 @@ class _IndexerKL(torch.autograd.Function):
             d_keys = torch.einsum("chk,chd->ckd", d_dots, qi)
             d_k.index_add_(0, cand[valid], d_keys[valid])
         return (d_q.to(index_q.dtype), d_k.to(index_k.dtype), d_w.to(index_weights.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: IndexSet,
-                         softmax_scale: float) -> torch.Tensor:
+                         softmax_scale: float, full: bool = False) -> torch.Tensor:
+    """``full``: ``outside_lse`` holds each head's full denominator L_h itself (window + sink + S_t)."""
     return _IndexerKL.apply(index_q, index_k, index_weights, q.detach(), compressed_kv.detach(),
-                            outside_lse.detach(), candidates, softmax_scale)
+                            outside_lse.detach(), candidates, softmax_scale, bool(full))
 
 
 def indexer_kl_naive(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: torch.Tensor,

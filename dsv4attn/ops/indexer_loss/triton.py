@@ -173,19 +173,105 @@ def _kl_terms(mass, score2, valid, lse_i2, z_floor, sum_t):
 
 
 @triton.jit
+def _student_block(QI, KI, W, IDX, t, K, start, Hi: tl.constexpr, Di: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, DOT_S: tl.constexpr):
+    """Slots start .. start+BLOCK_N of row t and their student scores: (slots, valid, key rows, log2(e) * I)."""
+    n, valid, rows = _load_slots(IDX, t, K, start, BLOCK_N)
+    ki = _load_keys(KI, rows, valid, Di, BLOCK_DI)
+    return n, valid, rows, _student_scores2(QI, W, ki, t, valid, Hi, Di, BLOCK_HI, BLOCK_DI, BLOCK_N, DOT_S)
+
+
+@triton.jit
+def _lane_lse_update(m_v, l_v, score2):
+    """One block of the per-lane online LSE (log2 domain) of the student scores."""
+    v_new = tl.maximum(m_v, score2)
+    v_safe = tl.where(v_new == float("-inf"), 0.0, v_new)
+    return v_new, l_v * tl.exp2(m_v - v_safe) + tl.exp2(score2 - v_safe)
+
+
+@triton.jit
+def _lane_lse_finish(m_v, l_v):
+    """log2 of the student's LSE from the per-lane online state (-inf without any valid slot)."""
+    m_i = tl.max(m_v, 0)
+    m_i = tl.where(m_i == float("-inf"), 0.0, m_i)
+    l_i = tl.sum(l_v * tl.exp2(m_v - m_i), 0)
+    return tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+
+
+@triton.jit
+def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, G, MASS, t, K, qk_scale_log2,
+                                 flt_min, H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr,
+                                 BLOCK_DI: tl.constexpr, BLOCK_D: tl.constexpr, SAVE_G: tl.constexpr,
+                                 DOT_T: tl.constexpr, DOT_S: tl.constexpr):
+    """One row when each head's full denominator L_h is given (the main attention's logaddexp(lse, sink) when S_t
+    is exactly its compressed candidates): a student-only pass for its LSE, then one pass forming the teacher mass
+    m(j) = sum_h exp(s_h(j) - L_h) with Z = sum_j m(j), A = sum_j m ln m and C = sum_j m ln Q(j) accumulated, so
+    that KL = sum_j T (ln T - ln Q) with T = m / Zf, Zf = max(Z, FLT_MIN), is (A - C) / Zf - (Z / Zf) ln Zf. With
+    SAVE_G, Q(j) and m(j) are stored on the way and a last, GEMM-free loop turns them into dKL/dI = Q (Z/Zf) - m/Zf.
+    Returns (kl, log2 of the student LSE, Zf, Z/Zf)."""
+    n_end = tl.load(NEND + t)
+    offs_h = tl.arange(0, BLOCK_HT)
+    full = tl.load(FULL_LSE + t * H + offs_h, mask=offs_h < H, other=float("-inf")) * 1.4426950408889634
+    tl.store(FULL2 + t * H + offs_h, full, mask=offs_h < H)
+    m_v = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    l_v = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, K, BLOCK_N):
+        if start < n_end:
+            _, _, _, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI, BLOCK_DI, DOT_S)
+            m_v, l_v = _lane_lse_update(m_v, l_v, score2)
+    lse_i2 = _lane_lse_finish(m_v, l_v)
+    z_acc = tl.zeros([BLOCK_N], tl.float32)
+    a_acc = tl.zeros([BLOCK_N], tl.float32)
+    c_acc = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, K, BLOCK_N):
+        if start < n_end:
+            n, valid, rows, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI, BLOCK_DI,
+                                                    DOT_S)
+            s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D, DOT_T)
+            mass = tl.where(valid, _mass(s2, full), 0.0)
+            log_q = tl.where(valid, (score2 - lse_i2) * 0.6931471805599453, 0.0)
+            z_acc += mass
+            a_acc += tl.where(mass > 0, mass * tl.log(tl.where(mass > 0, mass, 1.0)), 0.0)
+            c_acc += mass * log_q
+            if SAVE_G:
+                tl.store(G + t * K + n, tl.where(valid, tl.exp2(score2 - lse_i2), 0.0), mask=n < K)
+                tl.store(MASS + t * K + n, mass, mask=n < K)
+    z = tl.sum(z_acc, 0)
+    z_floor = tl.maximum(z, flt_min)
+    sum_t = z / z_floor
+    kl = (tl.sum(a_acc, 0) - tl.sum(c_acc, 0)) / z_floor - sum_t * tl.log(z_floor)
+    if SAVE_G:
+        tl.debug_barrier()                  # every thread's Q(j), m(j) stores are visible to the loads below
+        for start in range(0, K, BLOCK_N):
+            if start < n_end:
+                n = start + tl.arange(0, BLOCK_N)
+                q_j = tl.load(G + t * K + n, mask=n < K, other=0.0)
+                m_j = tl.load(MASS + t * K + n, mask=n < K, other=0.0)
+                tl.store(G + t * K + n, q_j * sum_t - m_j / z_floor, mask=n < K)
+    return kl, lse_i2, z_floor, sum_t
+
+
+@triton.jit
 def _indexer_kl_fwd_kernel(
-    QI, KI, W, Q, CKV, OUTSIDE, IDX, NEND, KL, FULL2, ROWSTAT, G,
+    QI, KI, W, Q, CKV, OUTSIDE, IDX, NEND, KL, FULL2, ROWSTAT, G, MASS,
     K, qk_scale_log2, flt_min,
     H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_D: tl.constexpr, ONE_BLOCK: tl.constexpr, SAVE_G: tl.constexpr, DOT_T: tl.constexpr,
-    DOT_S: tl.constexpr,
+    DOT_S: tl.constexpr, FULL: tl.constexpr = False,
 ):
     # FULL2 (rows, H): log2 of each head's full denominator. ROWSTAT (rows, 3): log2 of the student's LSE,
     # max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; in two-pass mode slots past NEND, the
     # row's last valid slot + 1, are not written: the backward never reads them, the launcher zero-fills G).
+    # FULL: OUTSIDE holds each head's full denominator L itself (natural log), so the teacher logits are formed
+    # once (see _full_denominator_given_pass); MASS (rows, K) fp32 is its scratch when SAVE_G.
     t = tl.program_id(0).to(tl.int64)
-    if ONE_BLOCK:
+    if FULL:
+        kl, lse_i2, z_floor, sum_t = _full_denominator_given_pass(
+            QI, KI, W, Q, CKV, OUTSIDE, IDX, NEND, FULL2, G, MASS, t, K, qk_scale_log2, flt_min, H, D, Hi, Di,
+            BLOCK_N, BLOCK_HT, BLOCK_HI, BLOCK_DI, BLOCK_D, SAVE_G, DOT_T, DOT_S)
+    elif ONE_BLOCK:
         n, valid, rows = _load_slots(IDX, t, K, 0, BLOCK_N)
         ki = _load_keys(KI, rows, valid, Di, BLOCK_DI)
         score2 = _student_scores2(QI, W, ki, t, valid, Hi, Di, BLOCK_HI, BLOCK_DI, BLOCK_N, DOT_S)
@@ -224,27 +310,20 @@ def _indexer_kl_fwd_kernel(
         l_v = tl.zeros([BLOCK_N], tl.float32)
         for start in range(0, K, BLOCK_N):
             if start < n_end:
-                n, valid, rows = _load_slots(IDX, t, K, start, BLOCK_N)
-                ki = _load_keys(KI, rows, valid, Di, BLOCK_DI)
-                score2 = _student_scores2(QI, W, ki, t, valid, Hi, Di, BLOCK_HI, BLOCK_DI, BLOCK_N, DOT_S)
+                n, valid, rows, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI,
+                                                        BLOCK_DI, DOT_S)
                 s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D,
                                       DOT_T)
                 m_new = tl.maximum(m_h, tl.max(s2, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 l_h = l_h * tl.exp2(m_h - m_safe) + tl.sum(tl.exp2(s2 - m_safe[:, None]), 1)
                 m_h = m_new
-                v_new = tl.maximum(m_v, score2)
-                v_safe = tl.where(v_new == float("-inf"), 0.0, v_new)
-                l_v = l_v * tl.exp2(m_v - v_safe) + tl.exp2(score2 - v_safe)
-                m_v = v_new
+                m_v, l_v = _lane_lse_update(m_v, l_v, score2)
         m_h = tl.where(m_h == float("-inf"), 0.0, m_h)
         full, inside = _full_denominator2(OUTSIDE, t, 0, m_h, l_h, H, BLOCK_HT)
         offs_h = tl.arange(0, BLOCK_HT)
         tl.store(FULL2 + t * H + offs_h, full, mask=offs_h < H)
-        m_i = tl.max(m_v, 0)
-        m_i = tl.where(m_i == float("-inf"), 0.0, m_i)
-        l_i = tl.sum(l_v * tl.exp2(m_v - m_i), 0)
-        lse_i2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        lse_i2 = _lane_lse_finish(m_v, l_v)
         z = tl.sum(inside, 0)
         z_floor = tl.maximum(z, flt_min)
         sum_t = z / z_floor
@@ -252,9 +331,8 @@ def _indexer_kl_fwd_kernel(
         acc = tl.zeros([BLOCK_N], tl.float32)
         for start in range(0, K, BLOCK_N):
             if start < n_end:
-                n, valid, rows = _load_slots(IDX, t, K, start, BLOCK_N)
-                ki = _load_keys(KI, rows, valid, Di, BLOCK_DI)
-                score2 = _student_scores2(QI, W, ki, t, valid, Hi, Di, BLOCK_HI, BLOCK_DI, BLOCK_N, DOT_S)
+                n, valid, rows, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI,
+                                                        BLOCK_DI, DOT_S)
                 s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D,
                                       DOT_T)
                 terms, d_score = _kl_terms(_mass(s2, full), score2, valid, lse_i2, z_floor, sum_t)
@@ -412,8 +490,9 @@ def _split_launch(config: dict) -> tuple[dict, dict]:
     return cfg, dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
 
 
-def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict):
-    """The forward kernel over ``chunks``, ``(start, end, idx (rows, K) int32, n_end (rows,) int32)`` each.
+def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict, full: bool = False):
+    """The forward kernel over ``chunks``, ``(start, end, idx (rows, K) int32, n_end (rows,) int32)`` each;
+    ``full``: ``outside_lse`` holds each head's full denominator (see :func:`indexer_kl_triton`).
 
     Returns kl (T,), full2 (T, H), rowstat (T, 3) and G (T, K) (None unless ``save_g``), all fp32.
     """
@@ -427,12 +506,17 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     # Zeros, not empty: two-pass mode skips the slots past a row's last valid one, and the op's outputs must be
     # defined everywhere (the backward never reads them; one memset of T x K fp32).
     g_buf = torch.zeros(T, K, dtype=torch.float32, device=qi.device) if save_g else None
+    mass = torch.empty(T, K, dtype=torch.float32, device=qi.device) if (save_g and full) else None
     cfg, launch = _split_launch(config)
-    meta = dict(_fwd_meta(K, H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype))
+    meta = dict(_fwd_meta(K, H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype),
+                FULL=full)
+    if full:                                 # one pass per row: the one-candidate-tile layout does not apply
+        meta.update(ONE_BLOCK=False, BLOCK_N=cfg["BLOCK_N"], BLOCK_HT=_pow2(H))
     for s, e, idx, n_end in chunks:
         _launch(_indexer_kl_fwd_kernel, e - s,
                 (qi[s:e], ki, w[s:e], qm[s:e], ckv, outside[s:e], idx, n_end, kl[s:e], full2[s:e], rowstat[s:e],
-                 g_buf[s:e] if save_g else kl, K, scale * 1.4426950408889634, FLT_MIN),
+                 g_buf[s:e] if save_g else kl, mass[s:e] if mass is not None else kl, K,
+                 scale * 1.4426950408889634, FLT_MIN),
                 meta, launch, _fwd_shrink)
     return kl, full2, rowstat, g_buf
 
@@ -467,14 +551,15 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
 @torch.library.custom_op("dsv4attn::indexer_kl", mutates_args=())
 def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
                   compressed_kv: torch.Tensor, outside_lse: torch.Tensor, candidates: torch.Tensor, scale: float,
-                  save_g: bool, fwd_tiles: list[int],
-                  bwd_tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  save_g: bool, fwd_tiles: list[int], bwd_tiles: list[int],
+                  full: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of :func:`indexer_kl_triton` for (T, K) int32 candidates (-1 = empty, K >= 1), arguments checked.
 
     Returns kl (T,) fp32 and what the backward reads: full2 (T, H) and rowstat (T, 3) fp32 (see
     ``_indexer_kl_fwd_kernel``), G = dKL/dI (T, K) fp32 when ``save_g`` (else (0, K)) and each row's last valid
     slot + 1, (T,) int32. ``fwd_tiles`` / ``bwd_tiles``: the configs' values in :data:`FWD_KEYS` /
-    :data:`BWD_KEYS` order; ``bwd_tiles`` is only kept for the backward.
+    :data:`BWD_KEYS` order; ``bwd_tiles`` is only kept for the backward. ``full``: ``outside_lse`` is each head's
+    full denominator.
     """
     T, K = candidates.shape
     idx = candidates.to(torch.int32).contiguous()
@@ -482,7 +567,7 @@ def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: t
     with backend.exact_math(index_q.device):
         kl, full2, rowstat, g_buf = _kl_forward(_operands(index_q, index_k, index_weights, q, compressed_kv),
                                                 outside_lse, [(0, T, idx, n_end)] if T else [], K, scale, save_g,
-                                                dict(zip(FWD_KEYS, fwd_tiles)))
+                                                dict(zip(FWD_KEYS, fwd_tiles)), full)
     if g_buf is None:
         g_buf = kl.new_empty(0, K)
     return kl, full2, rowstat, g_buf, n_end
@@ -490,7 +575,7 @@ def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: t
 
 @indexer_kl_op.register_fake
 def _indexer_kl_fake(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates, scale, save_g,
-                     fwd_tiles, bwd_tiles):
+                     fwd_tiles, bwd_tiles, full=False):
     T, K = candidates.shape
     f32 = dict(dtype=torch.float32)
     return (index_q.new_empty(T, **f32), index_q.new_empty(T, q.shape[1], **f32), index_q.new_empty(T, 3, **f32),
@@ -526,7 +611,7 @@ def _indexer_kl_backward_fake(grad_kl, index_q, index_k, index_weights, q, compr
 
 
 def _setup_context(ctx, inputs, output):
-    index_q, index_k, index_weights, q, compressed_kv, _, candidates, scale, _, _, bwd_tiles = inputs
+    index_q, index_k, index_weights, q, compressed_kv, _, candidates, scale, _, _, bwd_tiles, _ = inputs
     _, full2, rowstat, g, n_end = output
     ctx.save_for_backward(index_q, index_k, index_weights, q, compressed_kv, candidates, n_end, full2, rowstat, g)
     ctx.scale, ctx.bwd_tiles = scale, bwd_tiles
@@ -539,7 +624,7 @@ def _backward(ctx, grad_kl, *_grad_state):
         grad_kl = index_q.new_zeros(index_q.shape[0], dtype=torch.float32)
     d_qi, d_ki, d_w = indexer_kl_backward_op(grad_kl, *ctx.saved_tensors, ctx.scale, ctx.bwd_tiles)
     # No gradient to q, compressed_kv, outside_lse (the teacher is detached), candidates or the host arguments.
-    return d_qi, d_ki, d_w, None, None, None, None, None, None, None, None
+    return d_qi, d_ki, d_w, None, None, None, None, None, None, None, None, None
 
 
 indexer_kl_op.register_autograd(_backward, setup_context=_setup_context)
@@ -549,7 +634,7 @@ indexer_kl_op.register_autograd(_backward, setup_context=_setup_context)
 class _IndexerKLTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: IndexSet,
-                scale: float, config: dict, bwd_config: dict):
+                scale: float, config: dict, bwd_config: dict, full: bool):
         T, K = index_q.shape[0], candidates.width
         operands = _operands(index_q, index_k, index_weights, q, compressed_kv)
         save_g = K <= SAVE_G_MAX_WIDTH and any(ctx.needs_input_grad[:3])
@@ -557,7 +642,7 @@ class _IndexerKLTriton(torch.autograd.Function):
         # With a saved dKL/dI (rows at most SAVE_G_MAX_WIDTH wide) the backward reuses the materialised chunks;
         # otherwise only one chunk exists at a time, in either direction.
         chunks = list(_lazy_chunks(candidates, ranges)) if save_g else _lazy_chunks(candidates, ranges)
-        kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, chunks, K, scale, save_g, config)
+        kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, chunks, K, scale, save_g, config, full)
         ctx.save_for_backward(*operands, full2, rowstat, g_buf)
         ctx.chunks, ctx.ranges = (chunks if save_g else None), ranges
         ctx.candidates, ctx.scale, ctx.bwd_config = candidates, scale, bwd_config
@@ -571,7 +656,8 @@ class _IndexerKLTriton(torch.autograd.Function):
         chunks = ctx.chunks if ctx.chunks is not None else _lazy_chunks(ctx.candidates, ctx.ranges)
         d_qi, d_ki, d_w = _kl_backward(grad_kl, (qi, ki, w, qm, ckv), full2, rowstat, g_buf, chunks,
                                        ctx.candidates.width, ctx.scale, ctx.bwd_config)
-        return (d_qi.to(dt_q), d_ki[:n_keys].to(dt_k), d_w.to(dt_w), None, None, None, None, None, None, None)
+        return (d_qi.to(dt_q), d_ki[:n_keys].to(dt_k), d_w.to(dt_w), None, None, None, None, None, None, None,
+                None)
 
 
 def _tiles(config: dict | None, default: dict, keys: tuple[str, ...]) -> list[int]:
@@ -581,7 +667,7 @@ def _tiles(config: dict | None, default: dict, keys: tuple[str, ...]) -> list[in
 
 def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
                       compressed_kv: torch.Tensor, outside_lse: torch.Tensor, candidates: IndexSet, scale: float,
-                      config: dict | None = None, bwd_config: dict | None = None) -> torch.Tensor:
+                      config: dict | None = None, bwd_config: dict | None = None, full: bool = False) -> torch.Tensor:
     """Triton implementation behind :func:`dsv4attn.ops.indexer_kl` (arguments already checked).
 
     Args:
@@ -589,7 +675,9 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
             (read in fp32). fp16/bf16/fp32; these three get gradients (in their own dtypes).
         q: (T, H, D) main queries; compressed_kv: (Nc, D) main compressed KV (detached; a dtype differing from
             ``q``'s widens both to fp32, likewise for ``index_q`` / ``index_k``).
-        outside_lse: (T, H) log attention mass outside S_t (window + sink; -inf allowed), detached, read in fp32.
+        outside_lse: (T, H) log attention mass outside S_t (window + sink; -inf allowed), detached, read in fp32;
+            with ``full`` each head's full denominator L_h instead (window + sink + S_t), which spares the pass that
+            forms the teacher logits only for their LSE.
         candidates: an :class:`IndexSet` of width K (rows of ``index_k`` / ``compressed_kv``, -1 = empty).
             :class:`Explicit` runs the registered ops; any other kind is materialised one chunk of query rows at a
             time.
@@ -603,7 +691,7 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
     tensors = (index_q, index_k, index_weights, q, compressed_kv, outside_lse)
     if (any(t.dtype not in KERNEL_DTYPES for t in tensors) or index_q.shape[0] == 0 or candidates.width == 0):
         return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates,
-                                    scale)
+                                    scale, full=full)
     fwd_tiles, bwd_tiles = _tiles(config, FWD_CONFIG, FWD_KEYS), _tiles(bwd_config, BWD_CONFIG, BWD_KEYS)
     q, compressed_kv, outside_lse = q.detach(), compressed_kv.detach(), outside_lse.detach()
     if isinstance(candidates, Explicit):       # the sparse phase's top-k
@@ -611,9 +699,10 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
         save_g = (candidates.width <= SAVE_G_MAX_WIDTH and torch.is_grad_enabled()
                   and any(t.requires_grad for t in (index_q, index_k, index_weights)))
         return indexer_kl_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, idx.to(torch.int32),
-                             float(scale), save_g, fwd_tiles, bwd_tiles)[0]
+                             float(scale), save_g, fwd_tiles, bwd_tiles, bool(full))[0]
     return _IndexerKLTriton.apply(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates,
-                                  float(scale), dict(zip(FWD_KEYS, fwd_tiles)), dict(zip(BWD_KEYS, bwd_tiles)))
+                                  float(scale), dict(zip(FWD_KEYS, fwd_tiles)), dict(zip(BWD_KEYS, bwd_tiles)),
+                                  bool(full))
 
 
 backend.register_kernel("indexer_kl", indexer_kl_triton)
