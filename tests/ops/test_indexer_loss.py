@@ -246,3 +246,9 @@ def test_exactly_one_denominator_form():
         indexer_kl(index_q, index_k, index_w, q, ckv, cand, outside, full_lse=outside)
     with pytest.raises(ValueError, match="got neither"):
         indexer_kl(index_q, index_k, index_w, q, ckv, cand)
+    with pytest.raises(ValueError, match=r"full_lse must have dtype in \['torch.float32', 'torch.float64'\]"):
+        indexer_kl(index_q, index_k, index_w, q, ckv, cand, full_lse=outside.to(torch.bfloat16))
+    nan = outside.clone()
+    nan[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="full_lse contains NaN"):
+        indexer_kl(index_q, index_k, index_w, q, ckv, cand, full_lse=nan)

@@ -227,6 +227,9 @@ def _worker() -> None:
     backend.set_backend("triton")
     index_q, index_k, index_w, q, ckv, outside, cand, grad_kl = inputs
     public = _run(lambda a, b, c_, q_, k_, o_, s_, sc: indexer_kl(a, b, c_, q_, k_, s_, o_, sc), inputs)
+    full_inputs = _with_full_lse(inputs)
+    public_full = _run(lambda a, b, c_, q_, k_, o_, s_, sc: indexer_kl(a, b, c_, q_, k_, s_, softmax_scale=sc,
+                                                                       full_lse=o_), full_inputs)
     widened = [t.double() if t.is_floating_point() else t for t in inputs[:6]] + list(inputs[6:])
     fallback = _run(klt.indexer_kl_triton, widened)
     backend.set_backend(None)
@@ -235,6 +238,8 @@ def _worker() -> None:
         registered=backend.registered_kernels().count("indexer_kl") == 1
         and backend.kernel("indexer_kl") is klt.indexer_kl_triton,
         public_matches_direct=all(torch.equal(a, b) for a, b in zip(public, direct)),
+        public_full_lse_matches_direct=all(torch.equal(a, b) for a, b in zip(
+            public_full, _run(lambda *a: klt.indexer_kl_triton(*a, full=True), full_inputs))),
         fp64_fallback_is_reference=all(torch.equal(a, b) for a, b in zip(fallback, reference)),
     )
     results["op"] = _op_checks(klt, inputs)
@@ -366,7 +371,8 @@ def test_no_compressed_entries(interpreted):
     assert m["all_zero"] and m["dk_shape"][0] == 0
 
 
-@pytest.mark.parametrize("check", ["registered", "public_matches_direct", "fp64_fallback_is_reference"])
+@pytest.mark.parametrize("check", ["registered", "public_matches_direct", "public_full_lse_matches_direct",
+                                   "fp64_fallback_is_reference"])
 def test_plumbing(interpreted, check):
     assert interpreted["plumbing"][check]
 

@@ -22,9 +22,10 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
         outside_lse: (T, H) log attention mass outside S_t (window keys + sink), detached.
         softmax_scale: main attention scale, default ``D ** -0.5``.
         full_lse: instead of ``outside_lse`` (give exactly one), each head's full attention denominator L_h =
-            log(window + sink + S_t mass), detached: when S_t is exactly the main attention's compressed
+            log(window + sink + S_t mass), fp32/fp64, detached: when S_t is exactly the main attention's compressed
             candidates (the sparse phase) this is its ``logaddexp(lse, sink)``, and the kernel then forms the
-            teacher logits once instead of twice.
+            teacher logits once instead of twice. It includes the candidates' mass, so it must be finite wherever
+            S_t has a valid entry (-inf there makes the reference NaN; the kernel does not check it).
     Returns:
         (T,) fp32 (fp64 for fp64 inputs) KL per row; 0 for rows with an empty S_t (incl. padding rows).
         The layer loss is ``coeff * kl.sum() / number_of_real_rows``.
@@ -40,7 +41,12 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
                          f"full denominator); got {'both' if outside_lse is not None else 'neither'}")
     full = full_lse is not None
     lse = full_lse if full else outside_lse
-    checks.check_tensor("full_lse" if full else "outside_lse", lse, shape=(T, q.shape[1]), device=q.device)
+    # full_lse in fp32/fp64: bf16 would round L by ~0.4% and shift every teacher weight. It includes the
+    # candidates' own mass, so -inf (or NaN) is only meaningful where a row has no valid candidate.
+    checks.check_tensor("full_lse" if full else "outside_lse", lse, shape=(T, q.shape[1]), device=q.device,
+                        dtypes=(torch.float32, torch.float64) if full else None)
+    if full:
+        checks.check_finite("full_lse", lse, allow_inf=True)
     if isinstance(candidates, torch.Tensor):
         checks.check_tensor("candidates", candidates, shape=(T, None), dtypes=(torch.int32, torch.int64),
                             device=q.device)
