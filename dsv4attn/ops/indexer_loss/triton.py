@@ -199,6 +199,17 @@ def _lane_lse_finish(m_v, l_v):
 
 
 @triton.jit
+def _both_blocks(QI, KI, W, Q, CKV, IDX, t, K, start, qk_scale_log2, H: tl.constexpr, D: tl.constexpr,
+                 Hi: tl.constexpr, Di: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr,
+                 BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_D: tl.constexpr, DOT_T: tl.constexpr,
+                 DOT_S: tl.constexpr):
+    """A block of slots with the student scores and all heads' teacher logits: (slots, valid, score2, s2)."""
+    n, valid, rows, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI, BLOCK_DI, DOT_S)
+    s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D, DOT_T)
+    return n, valid, score2, s2
+
+
+@triton.jit
 def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, G, MASS, t, K, qk_scale_log2,
                                  flt_min, H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
                                  BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr,
@@ -310,10 +321,8 @@ def _indexer_kl_fwd_kernel(
         l_v = tl.zeros([BLOCK_N], tl.float32)
         for start in range(0, K, BLOCK_N):
             if start < n_end:
-                n, valid, rows, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI,
-                                                        BLOCK_DI, DOT_S)
-                s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D,
-                                      DOT_T)
+                n, valid, score2, s2 = _both_blocks(QI, KI, W, Q, CKV, IDX, t, K, start, qk_scale_log2, H, D, Hi, Di,
+                                                    BLOCK_N, BLOCK_HT, BLOCK_HI, BLOCK_DI, BLOCK_D, DOT_T, DOT_S)
                 m_new = tl.maximum(m_h, tl.max(s2, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 l_h = l_h * tl.exp2(m_h - m_safe) + tl.sum(tl.exp2(s2 - m_safe[:, None]), 1)
@@ -331,10 +340,8 @@ def _indexer_kl_fwd_kernel(
         acc = tl.zeros([BLOCK_N], tl.float32)
         for start in range(0, K, BLOCK_N):
             if start < n_end:
-                n, valid, rows, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI,
-                                                        BLOCK_DI, DOT_S)
-                s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D,
-                                      DOT_T)
+                n, valid, score2, s2 = _both_blocks(QI, KI, W, Q, CKV, IDX, t, K, start, qk_scale_log2, H, D, Hi, Di,
+                                                    BLOCK_N, BLOCK_HT, BLOCK_HI, BLOCK_DI, BLOCK_D, DOT_T, DOT_S)
                 terms, d_score = _kl_terms(_mass(s2, full), score2, valid, lse_i2, z_floor, sum_t)
                 acc += terms
                 if SAVE_G:
