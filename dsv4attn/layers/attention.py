@@ -143,12 +143,16 @@ class HybridAttention(KeepFp32Params):
                 index_k = frame.gather(index_k)
                 topk = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), visible, c.index_topk)
                 index_set = Concat(window, Explicit(topk, offset=n_keys))
-                if train_indexer:
-                    candidates = Explicit(topk) if phase == "sparse" else visible
-                    loss = self._indexer_loss(q, kv, compressed, window, index_q, index_k, index_w, candidates,
-                                              pack)
+                if train_indexer and phase == "warmup":      # teacher over every visible entry
+                    loss = self._indexer_loss(q, kv, compressed, window, index_q, index_k, index_w, visible, pack)
 
-        out, _ = sparse_attention(q, keys, index_set, self.sinks, c.softmax_scale)
+        out, lse = sparse_attention(q, keys, index_set, self.sinks, c.softmax_scale)
+        if self.indexer is not None and phase == "sparse" and self.training and torch.is_grad_enabled():
+            # The teacher's candidates are exactly the attention's compressed ones: its own full denominator
+            # logaddexp(lse, sink) normalises the teacher (no second attention over the window, logits formed once).
+            full_lse = torch.logaddexp(lse.detach(), self.sinks.detach().to(lse.dtype))
+            loss = self._indexer_loss(q, kv, compressed.to(kv.dtype), window, index_q, index_k, index_w,
+                                      Explicit(topk), pack, full_lse=full_lse)
         self.indexer_loss = None if loss is None else loss.detach()
         if loss is not None:
             out = AttachLoss.apply(out, loss)
@@ -194,12 +198,13 @@ class HybridAttention(KeepFp32Params):
                     self.config.sliding_window)), index_q=index_q, index_k=index_k, index_weights=index_w,
                     layout=layout)
 
-    def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, candidates, pack):
+    def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, candidates, pack, full_lse=None):
         """coeff * sum_t KL_t / real rows of the global batch (under CP this rank's share). Teacher operands are
-        detached (9.9); ``candidates`` is the top-k (sparse teacher) or every visible entry (warm-up)."""
-        outside_lse = self._outside_lse(q, kv, window)
+        detached (9.9); ``candidates`` is the top-k (sparse teacher, with the attention's ``full_lse``) or every
+        visible entry (warm-up: the window + sink mass is computed here)."""
+        outside_lse = None if full_lse is not None else self._outside_lse(q, kv, window)
         kl = indexer_kl(index_q, index_k, index_w, q.detach(), compressed.detach(), candidates, outside_lse,
-                        self.config.softmax_scale)
+                        self.config.softmax_scale, full_lse=full_lse)
         return self.config.indexer_loss_coeff * kl.sum() / pack.num_real_rows.clamp(min=1).to(kl.dtype)
 
     def _check_input(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:

@@ -246,9 +246,10 @@ def test_phases_build_their_own_graph(monkeypatch):
     seen = []
     real = attention_module.indexer_kl
 
-    def spy(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale):
+    def spy(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, full_lse=None):
         seen.append(candidates)
-        return real(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale)
+        assert (full_lse is not None) == isinstance(candidates, dsv4attn.ops.Explicit)   # sparse: attention's L
+        return real(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, full_lse=full_lse)
 
     monkeypatch.setattr(attention_module, "indexer_kl", spy)
     layer = make_layer(4)
@@ -264,6 +265,26 @@ def test_phases_build_their_own_graph(monkeypatch):
         layer.eval()
         assert layer(x, cu_seqlens=cu, max_seqlen=max_len, phase="sparse") is not None
     assert layer.indexer_loss is None and len(seen) == 2
+
+
+def test_sparse_teacher_with_the_attention_denominator_equals_the_outside_mass_form():
+    """The sparse phase normalises the teacher with the attention's own logaddexp(lse, sink); recomputed the long way
+    (window + sink mass from a separate window attention, then the KL's own LSE over the top-k) it is the same loss."""
+    from dsv4attn.ops import Explicit, VisibleCompressed, indexer_kl, indexer_topk
+
+    layer = make_layer(4, seed=3)
+    cu, T, max_len = ragged_pack()
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    layer(x, cu_seqlens=cu, max_seqlen=max_len, phase="sparse")
+    pack = dsv4attn.pack_batch(cu, T, max_len)
+    inp = layer.indexer_inputs(x, pack)
+    topk = indexer_topk(inp["index_q"], inp["index_k"], inp["index_weights"],
+                        VisibleCompressed(inp["layout"], T), layer.config.index_topk)
+    kl = indexer_kl(inp["index_q"], inp["index_k"], inp["index_weights"], inp["q"], inp["compressed"], Explicit(topk),
+                    inp["outside_lse"], layer.config.softmax_scale)
+    expected = layer.config.indexer_loss_coeff * kl.sum() / pack.num_real_rows
+    assert expected > 0
+    torch.testing.assert_close(layer.indexer_loss, expected, rtol=1e-10, atol=0)
 
 
 def test_phase_switch_between_optimizer_steps_keeps_optimizer_state():
