@@ -94,13 +94,15 @@ def check(T: int, log) -> None:
         torch.cuda.empty_cache()
 
 
-def bench(T: int, mode: str, log, with_reference: bool, config=None, bwd_config=None, tag: str = "") -> None:
+def bench(T: int, mode: str, log, with_reference: bool, config=None, bwd_config=None, tag: str = "",
+          full: bool = False) -> None:
+    """``full``: time the full_lse form (timing only: the outside mass stands in for the full denominators)."""
     from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
     from dsv4attn.ops.indexer_loss.triton import indexer_kl_triton
     inputs, pairs = make_inputs(T, mode)
     K = inputs[6].width
     flop = 2.0 * pairs * (H * D + HI * DI)
-    fwd, fwd_bwd = _calls(indexer_kl_triton, inputs, config=config, bwd_config=bwd_config)
+    fwd, fwd_bwd = _calls(indexer_kl_triton, inputs, config=config, bwd_config=bwd_config, full=full)
     fwd_ms, all_ms = time_ms(fwd), time_ms(fwd_bwd)
     mem = peak_mib(fwd_bwd)
     ref = "-", "-", "-", "-"
@@ -144,6 +146,8 @@ def main() -> None:
                         help="T at which the reference is also timed (slow: seconds in the warm-up mode)")
     parser.add_argument("--check-T", type=int, default=4096, help="0 skips the correctness check")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations (sparse mode)")
+    parser.add_argument("--full-lse", action="store_true",
+                        help="also time the sparse mode's full_lse form, teacher mass from Gluon (SM90) and Triton")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
     log = start_log("indexer_loss.py", args.log)
@@ -157,6 +161,13 @@ def main() -> None:
         for T in Ts:
             bench(T, mode, log, with_reference=T in args.reference_T)
             torch.cuda.empty_cache()
+    if args.full_lse:
+        from dsv4attn.ops.indexer_loss import triton as klt
+        for T in args.sparse_T:
+            bench(T, "sparse", log, False, tag=" full_lse, Gluon teacher mass", full=True)
+            klt.GLUON_MASS_FAILED[(D, torch.bfloat16)] = "switched off by the benchmark"
+            bench(T, "sparse", log, False, tag=" full_lse, Triton teacher", full=True)
+            klt.GLUON_MASS_FAILED.clear()
     if args.sweep and args.sparse_T:
         sweep(args.sparse_T[-1], log)
 

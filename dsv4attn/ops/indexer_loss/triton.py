@@ -51,13 +51,15 @@ interpreter (``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
+import warnings
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
+from triton.runtime.errors import OutOfResources, TritonError
 
 from ... import backend
+from ..sparse_attention import gluon_hopper
 from ..triton_common import dot, dot_mode, interpreting, round_to
 from ..index_sets import Explicit, IndexSet, chunk_rows
 from .reference import FLT_MIN, indexer_kl_reference
@@ -214,12 +216,13 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
                                  flt_min, H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
                                  BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr,
                                  BLOCK_DI: tl.constexpr, BLOCK_D: tl.constexpr, SAVE_G: tl.constexpr,
-                                 DOT_T: tl.constexpr, DOT_S: tl.constexpr):
+                                 DOT_T: tl.constexpr, DOT_S: tl.constexpr, MASS_GIVEN: tl.constexpr):
     """One row when each head's full denominator L_h is given (the main attention's logaddexp(lse, sink) when S_t
     is exactly its compressed candidates): a student-only pass for its LSE, then one pass forming the teacher mass
     m(j) = sum_h exp(s_h(j) - L_h) with Z = sum_j m(j), A = sum_j m ln m and C = sum_j m ln Q(j) accumulated, so
     that KL = sum_j T (ln T - ln Q) with T = m / Zf, Zf = max(Z, FLT_MIN), is (A - C) / Zf - (Z / Zf) ln Zf. With
     SAVE_G, Q(j) and m(j) are stored on the way and a last, GEMM-free loop turns them into dKL/dI = Q (Z/Zf) - m/Zf.
+    MASS_GIVEN: m(j) was formed beforehand (the Gluon teacher-mass kernel) and is read from MASS.
     Returns (kl, log2 of the student LSE, Zf, Z/Zf)."""
     n_end = tl.load(NEND + t)
     offs_h = tl.arange(0, BLOCK_HT)
@@ -239,15 +242,20 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
         if start < n_end:
             n, valid, rows, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI, BLOCK_DI,
                                                     DOT_S)
-            s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D, DOT_T)
-            mass = tl.where(valid, _mass(s2, full), 0.0)
+            if MASS_GIVEN:
+                mass = tl.load(MASS + t * K + n, mask=valid, other=0.0)
+            else:
+                s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D,
+                                      DOT_T)
+                mass = tl.where(valid, _mass(s2, full), 0.0)
             log_q = tl.where(valid, (score2 - lse_i2) * 0.6931471805599453, 0.0)
             z_acc += mass
             a_acc += tl.where(mass > 0, mass * tl.log(tl.where(mass > 0, mass, 1.0)), 0.0)
             c_acc += mass * log_q
             if SAVE_G:
                 tl.store(G + t * K + n, tl.where(valid, tl.exp2(score2 - lse_i2), 0.0), mask=n < K)
-                tl.store(MASS + t * K + n, mass, mask=n < K)
+                if not MASS_GIVEN:
+                    tl.store(MASS + t * K + n, mass, mask=n < K)
     z = tl.sum(z_acc, 0)
     z_floor = tl.maximum(z, flt_min)
     sum_t = z / z_floor
@@ -270,18 +278,19 @@ def _indexer_kl_fwd_kernel(
     H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_D: tl.constexpr, ONE_BLOCK: tl.constexpr, SAVE_G: tl.constexpr, DOT_T: tl.constexpr,
-    DOT_S: tl.constexpr, FULL: tl.constexpr = False,
+    DOT_S: tl.constexpr, FULL: tl.constexpr = False, MASS_GIVEN: tl.constexpr = False,
 ):
     # FULL2 (rows, H): log2 of each head's full denominator. ROWSTAT (rows, 3): log2 of the student's LSE,
     # max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; in two-pass mode slots past NEND, the
     # row's last valid slot + 1, are not written: the backward never reads them, the launcher zero-fills G).
     # FULL: OUTSIDE holds each head's full denominator L itself (natural log), so the teacher logits are formed
-    # once (see _full_denominator_given_pass); MASS (rows, K) fp32 is its scratch when SAVE_G.
+    # once (see _full_denominator_given_pass); MASS (rows, K) fp32 is its scratch when SAVE_G, or (MASS_GIVEN)
+    # holds the teacher mass formed beforehand.
     t = tl.program_id(0).to(tl.int64)
     if FULL:
         kl, lse_i2, z_floor, sum_t = _full_denominator_given_pass(
             QI, KI, W, Q, CKV, OUTSIDE, IDX, NEND, FULL2, G, MASS, t, K, qk_scale_log2, flt_min, H, D, Hi, Di,
-            BLOCK_N, BLOCK_HT, BLOCK_HI, BLOCK_DI, BLOCK_D, SAVE_G, DOT_T, DOT_S)
+            BLOCK_N, BLOCK_HT, BLOCK_HI, BLOCK_DI, BLOCK_D, SAVE_G, DOT_T, DOT_S, MASS_GIVEN)
     elif ONE_BLOCK:
         n, valid, rows = _load_slots(IDX, t, K, 0, BLOCK_N)
         ki = _load_keys(KI, rows, valid, Di, BLOCK_DI)
@@ -497,9 +506,11 @@ def _split_launch(config: dict) -> tuple[dict, dict]:
     return cfg, dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
 
 
-def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict, full: bool = False):
+def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict, full: bool = False,
+                mass: torch.Tensor | None = None):
     """The forward kernel over ``chunks``, ``(start, end, idx (rows, K) int32, n_end (rows,) int32)`` each;
-    ``full``: ``outside_lse`` holds each head's full denominator (see :func:`indexer_kl_triton`).
+    ``full``: ``outside_lse`` holds each head's full denominator (see :func:`indexer_kl_triton`); ``mass``: with
+    ``full``, the teacher mass (T, K) fp32 formed beforehand (:func:`_gluon_teacher_mass`).
 
     Returns kl (T,), full2 (T, H), rowstat (T, 3) and G (T, K) (None unless ``save_g``), all fp32.
     """
@@ -513,10 +524,12 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     # Zeros, not empty: two-pass mode skips the slots past a row's last valid one, and the op's outputs must be
     # defined everywhere (the backward never reads them; one memset of T x K fp32).
     g_buf = torch.zeros(T, K, dtype=torch.float32, device=qi.device) if save_g else None
-    mass = torch.empty(T, K, dtype=torch.float32, device=qi.device) if (save_g and full) else None
+    mass_given = mass is not None
+    if not mass_given and save_g and full:
+        mass = torch.empty(T, K, dtype=torch.float32, device=qi.device)
     cfg, launch = _split_launch(config)
     meta = dict(_fwd_meta(K, H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype),
-                FULL=full)
+                FULL=full, MASS_GIVEN=mass_given)
     if full:                                 # one pass per row: the one-candidate-tile layout does not apply
         meta.update(ONE_BLOCK=False, BLOCK_N=cfg["BLOCK_N"], BLOCK_HT=_pow2(H))
     for s, e, idx, n_end in chunks:
@@ -554,6 +567,31 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
     return d_qi, d_ki, d_w
 
 
+# (D, dtype) -> why the Gluon teacher-mass kernel could not be built here (the Triton kernel then forms the mass).
+GLUON_MASS_FAILED: dict = {}
+
+
+def _gluon_teacher_mass(operands, idx: torch.Tensor, full_lse: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """The teacher mass (T, K) fp32 from the Gluon SM90 kernel (the attention forward's gather ring), or None where
+    it does not apply (not SM90, fp32, H % 64, D, q / C dtypes differ, T or K = 0) or could not be built."""
+    _, _, _, qm, ckv = operands
+    T, H, D = qm.shape
+    key = (D, qm.dtype)
+    if (T == 0 or idx.shape[1] == 0 or ckv.dtype != qm.dtype or key in GLUON_MASS_FAILED
+            or not gluon_hopper.available(qm)):
+        return None
+    try:
+        return gluon_hopper.teacher_mass(qm, ckv, idx, full_lse, scale)
+    except Exception as exc:
+        if not (isinstance(exc, TritonError) or (isinstance(exc, RuntimeError) and "PassManager" in str(exc))):
+            raise
+        GLUON_MASS_FAILED[key] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"dsv4attn: the Gluon teacher-mass kernel could not be built for D={D} {qm.dtype} "
+                      f"({type(exc).__name__}: {str(exc)[:500]}); the Triton KL kernel forms the mass",
+                      RuntimeWarning, stacklevel=2)
+        return None
+
+
 # ------------------------------------------------------------------------ materialised candidates: custom ops
 @torch.library.custom_op("dsv4attn::indexer_kl", mutates_args=())
 def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
@@ -571,10 +609,11 @@ def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: t
     T, K = candidates.shape
     idx = candidates.to(torch.int32).contiguous()
     n_end = _row_ends(idx)
+    operands = _operands(index_q, index_k, index_weights, q, compressed_kv)
+    mass = _gluon_teacher_mass(operands, idx, outside_lse, scale) if full else None
     with backend.exact_math(index_q.device):
-        kl, full2, rowstat, g_buf = _kl_forward(_operands(index_q, index_k, index_weights, q, compressed_kv),
-                                                outside_lse, [(0, T, idx, n_end)] if T else [], K, scale, save_g,
-                                                dict(zip(FWD_KEYS, fwd_tiles)), full)
+        kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, [(0, T, idx, n_end)] if T else [], K, scale,
+                                                save_g, dict(zip(FWD_KEYS, fwd_tiles)), full, mass)
     if g_buf is None:
         g_buf = kl.new_empty(0, K)
     return kl, full2, rowstat, g_buf, n_end

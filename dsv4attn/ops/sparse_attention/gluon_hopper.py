@@ -87,8 +87,9 @@ if _IMPORTED:
     @gluon.jit
     def _pp_producer(Q, KV, IDX, H, K, t, hb, q_smem, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr):
-        # Ping-pong schedule, producer warpgroup: q, then every block's rows into ring stage b % STAGES once both
-        # consumers have released it; each thread's cp.async completions arrive on full[stage] (count 128).
+        # Producer warpgroup (both kernels): q, then every block's rows into ring stage b % STAGES once the
+        # consumers have released it (empty[stage]); each thread's cp.async completions arrive on full[stage]
+        # (count 128).
         io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         row_base = t * K
         heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, io))
@@ -202,6 +203,58 @@ if _IMPORTED:
             (_pp_producer, (Q, KV, IDX, H, K, t, hb, q_smem, ring, full, empty, D, BLOCK_N, STAGES))],
             [4, 4], [REGS[0], REGS[1]])
 
+    @gluon.jit
+    def _mass_consumer(IDX, FULL2, MASS, H, K, qk_scale_log2, t, hb, q_smem, ring, full, empty,
+                       W: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # Teacher mass, consumer warpgroup W: blocks b = W, W + 2, ... (independent: no hand-over between the
+        # consumers): s = Q C^T, then m(j) = sum over this head block of exp2(s_h(j) log2e scale - L2_h) for the
+        # valid slots j, stored to MASS[hb, t, j]; the ring stage is released right after the product.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, s_layout))
+        full2 = gl.load(FULL2 + t * H + heads)
+        full2 = gl.where(full2 == float("-inf"), 0.0, full2)      # such a head has no valid slot: its p are all 0
+        s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
+        row_base = t * K
+        for b in range(W, gl.cdiv(K, BLOCK_N), 2):
+            n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
+            mbarrier.wait(full.index(b % STAGES), (b // STAGES) & 1)
+            fence_async_shared()
+            s = warpgroup_mma(q_smem, ring.index(b % STAGES).permute((1, 0)), s_zero, use_acc=False)
+            mbarrier.arrive(empty.index(b % STAGES))
+            p = gl.exp2(s * qk_scale_log2 - full2[:, None])
+            mass = gl.sum(gl.where((idx >= 0)[None, :], p, 0.0), 0)
+            gl.store(MASS + row_base + n, mass, mask=n < K)
+
+    @gluon.jit
+    def _teacher_mass_gluon(Q, CKV, IDX, FULL2, MASS, H, K, qk_scale_log2,
+                            D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+                            REGS: gl.constexpr):
+        # MASS: (H // 64, T, K) fp32, one plane per head block (summed by the caller).
+        NUM_HB = H // BLOCK_H_C
+        pid = gl.program_id(0)
+        hb = pid % NUM_HB
+        t = (pid // NUM_HB).to(gl.int64)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H_C, D],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
+        ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=128)
+            mbarrier.init(empty.index(i), count=1)
+        plane = MASS + hb.to(gl.int64) * (gl.num_programs(0) // NUM_HB) * K      # this head block's (T, K) plane
+        gl.warp_specialize([
+            (_mass_consumer, (IDX, FULL2, plane, H, K, qk_scale_log2, t, hb, q_smem, ring, full, empty,
+                              gl.constexpr(0), BLOCK_N, STAGES)),
+            (_mass_consumer, (IDX, FULL2, plane, H, K, qk_scale_log2, t, hb, q_smem, ring, full, empty,
+                              gl.constexpr(1), BLOCK_N, STAGES)),
+            (_pp_producer, (Q, CKV, IDX, H, K, t, hb, q_smem, ring, full, empty, D, BLOCK_N, STAGES))],
+            [4, 4], [REGS[0], REGS[1]])
+
 
 def launch_fwd(q, kv, idx, sink, out, lse, scale, config=None):
     """Fills ``out`` (T, H, D) and ``lse`` (T, H) for T >= 1 rows and a kv of >= 1 row (the caller,
@@ -214,3 +267,24 @@ def launch_fwd(q, kv, idx, sink, out, lse, scale, config=None):
     _sparse_attn_fwd_gluon[(T * (H // BLOCK_H),)](
         q, kv, idx, sink, out, lse, H, idx.shape[1], scale * LOG2E,
         D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
+
+
+def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None):
+    """Indexer-KL teacher mass m(t, j) = sum_h exp(scale q[t, h] . C[candidates[t, j]] - full_lse[t, h]) for the
+    valid slots (0 for -1 slots): q (T, H, D) bf16/fp16 with :func:`available`, compressed_kv (N >= 1, D) in q's
+    dtype, candidates (T, K) int32, full_lse (T, H) fp32 natural log -> (T, K) fp32. The KL's teacher logits, on the
+    attention forward's producer + ring; what ``indexer_kl(..., full_lse=...)`` would otherwise form in Triton."""
+    unknown = sorted(set(config or {}) - set(FWD_CONFIG))
+    if unknown:
+        raise ValueError(f"teacher_mass config: unknown keys {unknown}; expected some of {sorted(FWD_CONFIG)}")
+    cfg = dict(FWD_CONFIG, **(config or {}))
+    T, H, D = q.shape
+    K = candidates.shape[1]
+    planes = torch.empty(H // BLOCK_H, T, K, dtype=torch.float32, device=q.device)
+    if T and K:
+        _teacher_mass_gluon[(T * (H // BLOCK_H),)](
+            q, compressed_kv, candidates, (full_lse.float() * LOG2E).contiguous(), planes, H, K, scale * LOG2E,
+            D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
+    else:
+        planes.zero_()
+    return planes[0] if planes.shape[0] == 1 else planes.sum(0)
