@@ -172,3 +172,10 @@ def test_teacher_mass_matches_float64(H, D, K, dtype):
     err, err_ref = (got - exact).abs().max().item(), (low - exact).abs().max().item()
     assert torch.all(got[5] == 0) and torch.all(got[idx < 0] == 0)
     assert err <= 2 * err_ref + 1e-6 * exact.abs().max().item(), (err, err_ref)
+
+
+def test_teacher_mass_refuses_odd_rings():
+    q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
+    for stages in (1, 3):
+        with pytest.raises(ValueError, match=f"STAGES must be even and >= 2, got {stages}"):
+            gluon_hopper.teacher_mass(q, None, None, None, 0.1, {"STAGES": stages})

@@ -56,10 +56,11 @@ import warnings
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources, TritonError
+from triton.runtime.errors import OutOfResources
 
 from ... import backend
 from ..sparse_attention import gluon_hopper
+from ..sparse_attention import triton as sparse_triton
 from ..triton_common import dot, dot_mode, interpreting, round_to
 from ..index_sets import Explicit, IndexSet, chunk_rows
 from .reference import FLT_MIN, indexer_kl_reference
@@ -573,17 +574,19 @@ GLUON_MASS_FAILED: dict = {}
 
 def _gluon_teacher_mass(operands, idx: torch.Tensor, full_lse: torch.Tensor, scale: float) -> torch.Tensor | None:
     """The teacher mass (T, K) fp32 from the Gluon SM90 kernel (the attention forward's gather ring), or None where
-    it does not apply (not SM90, fp32, H % 64, D, q / C dtypes differ, T or K = 0) or could not be built."""
+    it does not apply (not SM90; fp32, incl. mixed q / C dtypes widened to fp32; H % 64; D; T or K = 0),
+    is switched off (DSV4ATTN_FORWARD_KERNEL=triton) or could not be built."""
     _, _, _, qm, ckv = operands
     T, H, D = qm.shape
     key = (D, qm.dtype)
-    if (T == 0 or idx.shape[1] == 0 or ckv.dtype != qm.dtype or key in GLUON_MASS_FAILED
+    # DSV4ATTN_FORWARD_KERNEL=triton keeps every Gluon kernel out, this one included.
+    if (T == 0 or idx.shape[1] == 0 or key in GLUON_MASS_FAILED or sparse_triton.FORWARD_KERNEL == "triton"
             or not gluon_hopper.available(qm)):
         return None
     try:
         return gluon_hopper.teacher_mass(qm, ckv, idx, full_lse, scale)
     except Exception as exc:
-        if not (isinstance(exc, TritonError) or (isinstance(exc, RuntimeError) and "PassManager" in str(exc))):
+        if not sparse_triton._gluon_build_error(exc):
             raise
         GLUON_MASS_FAILED[key] = f"{type(exc).__name__}: {exc}"
         warnings.warn(f"dsv4attn: the Gluon teacher-mass kernel could not be built for D={D} {qm.dtype} "

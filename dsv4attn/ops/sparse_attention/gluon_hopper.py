@@ -278,6 +278,10 @@ def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None):
     if unknown:
         raise ValueError(f"teacher_mass config: unknown keys {unknown}; expected some of {sorted(FWD_CONFIG)}")
     cfg = dict(FWD_CONFIG, **(config or {}))
+    if cfg["STAGES"] < 2 or cfg["STAGES"] % 2:
+        # Each consumer takes every other block, so with an even ring each owns its stages; with an odd one a
+        # consumer's parity wait on a stage it skipped a use of would rely on the order the copies complete.
+        raise ValueError(f"teacher_mass config: STAGES must be even and >= 2, got {cfg['STAGES']}")
     T, H, D = q.shape
     K = candidates.shape[1]
     planes = torch.empty(H // BLOCK_H, T, K, dtype=torch.float32, device=q.device)
