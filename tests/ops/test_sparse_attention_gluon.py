@@ -152,7 +152,10 @@ def test_gluon_config_keys_are_checked():
                                          (64, 256, 64, torch.float16), (64, 128, 7, torch.bfloat16)])
 def test_teacher_mass_matches_float64(H, D, K, dtype):
     """The indexer-KL teacher mass m(t, j) = sum_h exp(scale q.C_j - L_h) from the Gluon kernel: error <= 2x that of
-    the same sum in fp32 PyTorch (both against float64 on the same rounded inputs) + 1e-6 of the largest mass."""
+    the same sum formed by PyTorch in the same arithmetic (bf16 products accumulated in fp32 on the tensor cores:
+    cuBLAS's bf16 GEMM with an fp32 result), both against float64 on the same rounded inputs, + 1e-6 of the largest
+    mass. (An fp32 SIMT GEMM accumulates with round-to-nearest: ~7x more precise than any tensor-core product at
+    D = 512, which is why it is not the yardstick here; the end-to-end KL tests do compare with it.)"""
     gen = torch.Generator().manual_seed(H + D + K)
     T, N = 40, 700
     q = torch.randn(T, H, D, generator=gen).to("cuda", dtype)
@@ -162,13 +165,14 @@ def test_teacher_mass_matches_float64(H, D, K, dtype):
     idx[5] = -1
     scale = D ** -0.5
     full = (torch.randn(T, H, generator=gen) + 8.0).cuda()
+    rows = ckv[idx.long().clamp(min=0)]                                           # (T, K, D)
 
-    def mass(dt):
-        logits = torch.einsum("thd,tkd->thk", q.to(dt), ckv.to(dt)[idx.long().clamp(min=0)]) * scale
-        return torch.where(idx >= 0, torch.exp(logits - full.to(dt)[..., None]).sum(1), 0.0).double()
+    def mass(logits, dt):
+        return torch.where(idx >= 0, torch.exp(logits.to(dt) * scale - full.to(dt)[..., None]).sum(1), 0.0).double()
 
     got = gluon_hopper.teacher_mass(q, ckv, idx, full, scale).double()
-    exact, low = mass(torch.float64), mass(torch.float32)
+    exact = mass(torch.bmm(q.double(), rows.double().transpose(1, 2)), torch.float64)
+    low = mass(torch.bmm(q, rows.transpose(1, 2), out_dtype=torch.float32), torch.float32)
     err, err_ref = (got - exact).abs().max().item(), (low - exact).abs().max().item()
     assert torch.all(got[5] == 0) and torch.all(got[idx < 0] == 0)
     assert err <= 2 * err_ref + 1e-6 * exact.abs().max().item(), (err, err_ref)

@@ -213,22 +213,32 @@ def _both_blocks(QI, KI, W, Q, CKV, IDX, t, K, start, qk_scale_log2, H: tl.const
 
 
 @triton.jit
-def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, G, MASS, t, K, qk_scale_log2,
+def _mass_natural(s, full_lse):
+    """sum_h exp(s_h(j) - L_h) over all heads ((BLOCK_N,)) from natural-log logits s (-inf where empty) and L: the
+    difference is formed before the change to base 2, so its rounding scales with |s - L| (small for the slots that
+    carry the mass) rather than with |L| and |s| as exp2(log2(e) s - log2(e) L) would."""
+    full_lse = tl.where(full_lse == float("-inf"), 0.0, full_lse)   # heads without any key: all their s are -inf
+    return tl.sum(tl.exp2((s - full_lse[:, None]) * 1.4426950408889634), 0)
+
+
+@triton.jit
+def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, G, MASS, t, K, qk_scale,
                                  flt_min, H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
                                  BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr,
                                  BLOCK_DI: tl.constexpr, BLOCK_D: tl.constexpr, SAVE_G: tl.constexpr,
                                  DOT_T: tl.constexpr, DOT_S: tl.constexpr, MASS_GIVEN: tl.constexpr):
     """One row when each head's full denominator L_h is given (the main attention's logaddexp(lse, sink) when S_t
     is exactly its compressed candidates): a student-only pass for its LSE, then one pass forming the teacher mass
-    m(j) = sum_h exp(s_h(j) - L_h) with Z = sum_j m(j), A = sum_j m ln m and C = sum_j m ln Q(j) accumulated, so
-    that KL = sum_j T (ln T - ln Q) with T = m / Zf, Zf = max(Z, FLT_MIN), is (A - C) / Zf - (Z / Zf) ln Zf. With
-    SAVE_G, Q(j) and m(j) are stored on the way and a last, GEMM-free loop turns them into dKL/dI = Q (Z/Zf) - m/Zf.
-    MASS_GIVEN: m(j) was formed beforehand (the Gluon teacher-mass kernel) and is read from MASS.
+    m(j) = sum_h exp(s_h(j) - L_h) and Z = sum_j m(j), storing m(j) to MASS and log2(e) I(j) to G (scratch rows
+    unless SAVE_G), and a last, GEMM-free loop over the stored values with Z known: KL = sum_j T (ln T - ln Q),
+    T = m / Zf, Zf = max(Z, FLT_MIN), term by term as in the two-pass form (the one-pass identity
+    (sum m ln m - sum m ln Q) / Zf - ln Zf cancels terms ~20x larger than KL in fp32), and with SAVE_G
+    dKL/dI = Q (Z/Zf) - T in place of I. MASS_GIVEN: m(j) was formed beforehand (the Gluon teacher-mass kernel).
     Returns (kl, log2 of the student LSE, Zf, Z/Zf)."""
     n_end = tl.load(NEND + t)
     offs_h = tl.arange(0, BLOCK_HT)
-    full = tl.load(FULL_LSE + t * H + offs_h, mask=offs_h < H, other=float("-inf")) * 1.4426950408889634
-    tl.store(FULL2 + t * H + offs_h, full, mask=offs_h < H)
+    full = tl.load(FULL_LSE + t * H + offs_h, mask=offs_h < H, other=float("-inf"))
+    tl.store(FULL2 + t * H + offs_h, full * 1.4426950408889634, mask=offs_h < H)
     m_v = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l_v = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_N):
@@ -237,8 +247,6 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
             m_v, l_v = _lane_lse_update(m_v, l_v, score2)
     lse_i2 = _lane_lse_finish(m_v, l_v)
     z_acc = tl.zeros([BLOCK_N], tl.float32)
-    a_acc = tl.zeros([BLOCK_N], tl.float32)
-    c_acc = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_N):
         if start < n_end:
             n, valid, rows, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI, BLOCK_DI,
@@ -246,36 +254,32 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
             if MASS_GIVEN:
                 mass = tl.load(MASS + t * K + n, mask=valid, other=0.0)
             else:
-                s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D,
-                                      DOT_T)
-                mass = tl.where(valid, _mass(s2, full), 0.0)
-            log_q = tl.where(valid, (score2 - lse_i2) * 0.6931471805599453, 0.0)
+                s = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale, H, D, BLOCK_HT, BLOCK_N, BLOCK_D, DOT_T)
+                mass = tl.where(valid, _mass_natural(s, full), 0.0)
+                tl.store(MASS + t * K + n, mass, mask=n < K)
             z_acc += mass
-            a_acc += tl.where(mass > 0, mass * tl.log(tl.where(mass > 0, mass, 1.0)), 0.0)
-            c_acc += mass * log_q
-            if SAVE_G:
-                tl.store(G + t * K + n, tl.where(valid, tl.exp2(score2 - lse_i2), 0.0), mask=n < K)
-                if not MASS_GIVEN:
-                    tl.store(MASS + t * K + n, mass, mask=n < K)
+            tl.store(G + t * K + n, score2, mask=n < K)
     z = tl.sum(z_acc, 0)
     z_floor = tl.maximum(z, flt_min)
     sum_t = z / z_floor
-    kl = (tl.sum(a_acc, 0) - tl.sum(c_acc, 0)) / z_floor - sum_t * tl.log(z_floor)
-    if SAVE_G:
-        tl.debug_barrier()                  # every thread's Q(j), m(j) stores are visible to the loads below
-        for start in range(0, K, BLOCK_N):
-            if start < n_end:
-                n = start + tl.arange(0, BLOCK_N)
-                q_j = tl.load(G + t * K + n, mask=n < K, other=0.0)
-                m_j = tl.load(MASS + t * K + n, mask=n < K, other=0.0)
-                tl.store(G + t * K + n, q_j * sum_t - m_j / z_floor, mask=n < K)
-    return kl, lse_i2, z_floor, sum_t
+    tl.debug_barrier()                      # every thread's I(j), m(j) stores are visible to the loads below
+    kl_acc = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, K, BLOCK_N):
+        if start < n_end:
+            n, valid, _ = _load_slots(IDX, t, K, start, BLOCK_N)
+            score2 = tl.load(G + t * K + n, mask=valid, other=float("-inf"))
+            mass = tl.load(MASS + t * K + n, mask=valid, other=0.0)
+            terms, d_score = _kl_terms(mass, score2, valid, lse_i2, z_floor, sum_t)
+            kl_acc += terms
+            if SAVE_G:
+                tl.store(G + t * K + n, d_score, mask=n < K)
+    return tl.sum(kl_acc, 0), lse_i2, z_floor, sum_t
 
 
 @triton.jit
 def _indexer_kl_fwd_kernel(
     QI, KI, W, Q, CKV, OUTSIDE, IDX, NEND, KL, FULL2, ROWSTAT, G, MASS,
-    K, qk_scale_log2, flt_min,
+    K, qk_scale_log2, qk_scale, flt_min,
     H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_D: tl.constexpr, ONE_BLOCK: tl.constexpr, SAVE_G: tl.constexpr, DOT_T: tl.constexpr,
@@ -285,12 +289,12 @@ def _indexer_kl_fwd_kernel(
     # max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; in two-pass mode slots past NEND, the
     # row's last valid slot + 1, are not written: the backward never reads them, the launcher zero-fills G).
     # FULL: OUTSIDE holds each head's full denominator L itself (natural log), so the teacher logits are formed
-    # once (see _full_denominator_given_pass); MASS (rows, K) fp32 is its scratch when SAVE_G, or (MASS_GIVEN)
-    # holds the teacher mass formed beforehand.
+    # once (see _full_denominator_given_pass); MASS (rows, K) fp32 holds the teacher mass (scratch, or formed
+    # beforehand with MASS_GIVEN) and G is scratch for the student scores even without SAVE_G.
     t = tl.program_id(0).to(tl.int64)
     if FULL:
         kl, lse_i2, z_floor, sum_t = _full_denominator_given_pass(
-            QI, KI, W, Q, CKV, OUTSIDE, IDX, NEND, FULL2, G, MASS, t, K, qk_scale_log2, flt_min, H, D, Hi, Di,
+            QI, KI, W, Q, CKV, OUTSIDE, IDX, NEND, FULL2, G, MASS, t, K, qk_scale, flt_min, H, D, Hi, Di,
             BLOCK_N, BLOCK_HT, BLOCK_HI, BLOCK_DI, BLOCK_D, SAVE_G, DOT_T, DOT_S, MASS_GIVEN)
     elif ONE_BLOCK:
         n, valid, rows = _load_slots(IDX, t, K, 0, BLOCK_N)
@@ -526,8 +530,10 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     # defined everywhere (the backward never reads them; one memset of T x K fp32).
     g_buf = torch.zeros(T, K, dtype=torch.float32, device=qi.device) if save_g else None
     mass_given = mass is not None
-    if not mass_given and save_g and full:
-        mass = torch.empty(T, K, dtype=torch.float32, device=qi.device)
+    g_rows = g_buf
+    if full:                   # the full form keeps m(j) and I(j) per slot until Z is known (scratch unless saved)
+        mass = mass if mass_given else torch.empty(T, K, dtype=torch.float32, device=qi.device)
+        g_rows = g_buf if save_g else torch.empty(T, K, dtype=torch.float32, device=qi.device)
     cfg, launch = _split_launch(config)
     meta = dict(_fwd_meta(K, H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype),
                 FULL=full, MASS_GIVEN=mass_given)
@@ -536,8 +542,8 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     for s, e, idx, n_end in chunks:
         _launch(_indexer_kl_fwd_kernel, e - s,
                 (qi[s:e], ki, w[s:e], qm[s:e], ckv, outside[s:e], idx, n_end, kl[s:e], full2[s:e], rowstat[s:e],
-                 g_buf[s:e] if save_g else kl, mass[s:e] if mass is not None else kl, K,
-                 scale * 1.4426950408889634, FLT_MIN),
+                 g_rows[s:e] if g_rows is not None else kl, mass[s:e] if mass is not None else kl, K,
+                 scale * 1.4426950408889634, scale, FLT_MIN),
                 meta, launch, _fwd_shrink)
     return kl, full2, rowstat, g_buf
 

@@ -204,16 +204,18 @@ if _IMPORTED:
             [4, 4], [REGS[0], REGS[1]])
 
     @gluon.jit
-    def _mass_consumer(IDX, FULL2, MASS, H, K, qk_scale_log2, t, hb, q_smem, ring, full, empty,
+    def _mass_consumer(IDX, FULL_LSE, MASS, H, K, qk_scale, t, hb, q_smem, ring, full, empty,
                        W: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         # Teacher mass, consumer warpgroup W: blocks b = W, W + 2, ... (independent: no hand-over between the
-        # consumers): s = Q C^T, then m(j) = sum over this head block of exp2(s_h(j) log2e scale - L2_h) for the
-        # valid slots j, stored to MASS[hb, t, j]; the ring stage is released right after the product.
+        # consumers): s = Q C^T, then m(j) = sum over this head block of exp(scale s_h(j) - L_h) for the valid
+        # slots j, stored to MASS[hb, t, j]; the ring stage is released right after the product. The difference is
+        # formed in natural units before the change to base 2: its rounding then scales with |scale s - L|, small
+        # for the slots that carry the mass, not with |L|.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, s_layout))
-        full2 = gl.load(FULL2 + t * H + heads)
-        full2 = gl.where(full2 == float("-inf"), 0.0, full2)      # such a head has no valid slot: its p are all 0
+        full_lse = gl.load(FULL_LSE + t * H + heads)
+        full_lse = gl.where(full_lse == float("-inf"), 0.0, full_lse)    # a head without valid slots: p all 0
         s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
         row_base = t * K
         for b in range(W, gl.cdiv(K, BLOCK_N), 2):
@@ -223,12 +225,12 @@ if _IMPORTED:
             fence_async_shared()
             s = warpgroup_mma(q_smem, ring.index(b % STAGES).permute((1, 0)), s_zero, use_acc=False)
             mbarrier.arrive(empty.index(b % STAGES))
-            p = gl.exp2(s * qk_scale_log2 - full2[:, None])
+            p = gl.exp2((s * qk_scale - full_lse[:, None]) * LOG2E_C)
             mass = gl.sum(gl.where((idx >= 0)[None, :], p, 0.0), 0)
             gl.store(MASS + row_base + n, mass, mask=n < K)
 
     @gluon.jit
-    def _teacher_mass_gluon(Q, CKV, IDX, FULL2, MASS, H, K, qk_scale_log2,
+    def _teacher_mass_gluon(Q, CKV, IDX, FULL_LSE, MASS, H, K, qk_scale,
                             D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
                             REGS: gl.constexpr):
         # MASS: (H // 64, T, K) fp32, one plane per head block (summed by the caller).
@@ -248,9 +250,9 @@ if _IMPORTED:
             mbarrier.init(empty.index(i), count=1)
         plane = MASS + hb.to(gl.int64) * (gl.num_programs(0) // NUM_HB) * K      # this head block's (T, K) plane
         gl.warp_specialize([
-            (_mass_consumer, (IDX, FULL2, plane, H, K, qk_scale_log2, t, hb, q_smem, ring, full, empty,
+            (_mass_consumer, (IDX, FULL_LSE, plane, H, K, qk_scale, t, hb, q_smem, ring, full, empty,
                               gl.constexpr(0), BLOCK_N, STAGES)),
-            (_mass_consumer, (IDX, FULL2, plane, H, K, qk_scale_log2, t, hb, q_smem, ring, full, empty,
+            (_mass_consumer, (IDX, FULL_LSE, plane, H, K, qk_scale, t, hb, q_smem, ring, full, empty,
                               gl.constexpr(1), BLOCK_N, STAGES)),
             (_pp_producer, (Q, CKV, IDX, H, K, t, hb, q_smem, ring, full, empty, D, BLOCK_N, STAGES))],
             [4, 4], [REGS[0], REGS[1]])
@@ -287,7 +289,7 @@ def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None):
     planes = torch.empty(H // BLOCK_H, T, K, dtype=torch.float32, device=q.device)
     if T and K:
         _teacher_mass_gluon[(T * (H // BLOCK_H),)](
-            q, compressed_kv, candidates, (full_lse.float() * LOG2E).contiguous(), planes, H, K, scale * LOG2E,
+            q, compressed_kv, candidates, full_lse.float().contiguous(), planes, H, K, scale,
             D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
     else:
         planes.zero_()
