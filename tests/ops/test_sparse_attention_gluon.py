@@ -145,6 +145,11 @@ def test_gluon_config_keys_are_checked():
     q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"unknown keys \['BLOCK_DK'\]"):
         gluon_hopper.launch_fwd(q, None, None, None, None, None, 0.1, {"BLOCK_DK": 64})
+    for block_n in (8, 48, 128):
+        with pytest.raises(ValueError, match=f"BLOCK_N must be 16, 32 or 64 .*got {block_n}"):
+            gluon_hopper.launch_fwd(q, None, None, None, None, None, 0.1, {"BLOCK_N": block_n})
+        with pytest.raises(ValueError, match=f"teacher_mass config: BLOCK_N must be 16, 32 or 64 .*got {block_n}"):
+            gluon_hopper.teacher_mass(q, None, None, None, 0.1, {"BLOCK_N": block_n})
 
 
 @sm90

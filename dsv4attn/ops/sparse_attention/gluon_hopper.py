@@ -64,9 +64,13 @@ if _IMPORTED:
     BLOCK_H_C = gl.constexpr(BLOCK_H)
 
     @gluon.jit
-    def _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, col0, D: gl.constexpr, WRITE_LSE: gl.constexpr):
+    def _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, col0: gl.constexpr, staging, D: gl.constexpr,
+                WRITE_LSE: gl.constexpr):
         # Sink in the denominator only: out = acc / (l + 2^(sink log2e - m)); rows without keys (l == 0) give 0.
-        # ``acc`` holds output columns [col0, col0 + its width) of the 64 heads of head block ``hb``.
+        # ``acc`` holds output columns [col0, col0 + its width) of the 64 heads of head block ``hb``. It goes out
+        # through ``staging`` (shared memory of its shape, free by now): stored from the wgmma layout, read back 8
+        # columns per thread, so each warp writes whole 512-byte row segments (the wgmma layout's 4-byte pieces
+        # filled half of every 32-byte sector: ncu counted twice the output's bytes reaching L2).
         row_layout: gl.constexpr = m_i.type.layout
         o_layout: gl.constexpr = acc.type.layout
         h_s = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=row_layout)
@@ -80,33 +84,62 @@ if _IMPORTED:
             gl.store(LSE + t * H + h_s, lse)
         scale_o = gl.where(has_keys, 1.0 / denom, 0.0)
         out = acc * gl.convert_layout(scale_o, gl.SliceLayout(1, o_layout))[:, None]
-        h_o = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, o_layout))
-        c_o = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout))
-        gl.store(OUT + t * H * D + h_o.to(gl.int64)[:, None] * D + c_o[None, :], out.to(OUT.dtype.element_ty))
+        staging.store(out.to(OUT.dtype.element_ty))
+        gl.thread_barrier()
+        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        h_o = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, st_layout))
+        c_o = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, st_layout))
+        gl.store(OUT + t * H * D + h_o.to(gl.int64)[:, None] * D + c_o[None, :], staging.load(st_layout))
+
+    @gluon.jit
+    def _slot_rows(IDX, row_base, b, r: gl.constexpr, K, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+        # Slot indices of rows r .. r + 16 of block b (-1 past K).
+        n = b * BLOCK_N + r + gl.arange(0, 16, layout=layout)
+        return gl.load(IDX + row_base + n, mask=n < K, other=-1)
+
+    @gluon.jit
+    def _gather_rows(stage_smem, r: gl.constexpr, idx, KV, cols, D: gl.constexpr):
+        # cp.async of kv rows idx (-1: row 0, never read unmasked by the consumers) into rows r .. r + 16.
+        rows = gl.where(idx >= 0, idx, 0).to(gl.int64) * D
+        async_copy.async_copy_global_to_shared(stage_smem.slice(r, 16, dim=0), KV + rows[:, None] + cols[None, :])
 
     @gluon.jit
     def _pp_producer(Q, KV, IDX, H, K, t, hb, q_smem, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr):
         # Producer warpgroup (both kernels): q, then every block's rows into ring stage b % STAGES once the
         # consumers have released it (empty[stage]); each thread's cp.async completions arrive on full[stage]
-        # (count 128).
+        # (count 128). Block b + 1's slot indices are loaded right after block b's copies are issued, so their
+        # global-load latency passes while the producer waits for the next free stage (profiled on the H200: the
+        # index loads issued after the wait were the producer's main stall). BLOCK_N is 16, 32 or 64.
         io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        n_layout: gl.constexpr = gl.SliceLayout(1, io)
         row_base = t * K
-        heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, io))
+        heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=n_layout)
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, io))
         async_copy.async_copy_global_to_shared(q_smem, Q + t * H * D + heads.to(gl.int64)[:, None] * D + cols[None, :])
         async_copy.commit_group()           # waited for below even when K == 0 (no block arrives on full[])
+        i0 = _slot_rows(IDX, row_base, 0, 0, K, BLOCK_N, n_layout)
+        i1 = _slot_rows(IDX, row_base, 0, 16, K, BLOCK_N, n_layout)
+        i2 = _slot_rows(IDX, row_base, 0, 32, K, BLOCK_N, n_layout)
+        i3 = _slot_rows(IDX, row_base, 0, 48, K, BLOCK_N, n_layout)
         for b in range(gl.cdiv(K, BLOCK_N)):
             stage = b % STAGES
             mbarrier.wait(empty.index(stage), ((b // STAGES) + 1) & 1, pred=b >= STAGES)
-            for r in gl.static_range(0, BLOCK_N, 16):        # 16 rows at a time: few registers per thread
-                n = b * BLOCK_N + r + gl.arange(0, 16, layout=gl.SliceLayout(1, io))
-                idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
-                rows = gl.where(idx >= 0, idx, 0).to(gl.int64) * D
-                async_copy.async_copy_global_to_shared(ring.index(stage).slice(r, 16, dim=0),
-                                                       KV + rows[:, None] + cols[None, :])
+            kv_stage = ring.index(stage)
+            _gather_rows(kv_stage, 0, i0, KV, cols, D)
+            if BLOCK_N > 16:
+                _gather_rows(kv_stage, 16, i1, KV, cols, D)
+            if BLOCK_N > 32:
+                _gather_rows(kv_stage, 32, i2, KV, cols, D)
+                _gather_rows(kv_stage, 48, i3, KV, cols, D)
             async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
             async_copy.commit_group()
+            i0 = _slot_rows(IDX, row_base, b + 1, 0, K, BLOCK_N, n_layout)
+            if BLOCK_N > 16:
+                i1 = _slot_rows(IDX, row_base, b + 1, 16, K, BLOCK_N, n_layout)
+            if BLOCK_N > 32:
+                i2 = _slot_rows(IDX, row_base, b + 1, 32, K, BLOCK_N, n_layout)
+                i3 = _slot_rows(IDX, row_base, b + 1, 48, K, BLOCK_N, n_layout)
         async_copy.wait_group(0)
 
     @gluon.jit
@@ -167,7 +200,10 @@ if _IMPORTED:
             acc = warpgroup_mma(p_buf.index(half), kv.slice(W * HALF, HALF, dim=1), acc)
             mbarrier.arrive(pfree.index(half))
             mbarrier.arrive(empty.index(stage))
-        _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, W * HALF, D, W == 0)
+        # Every Q K^T is done once either consumer gets here (its last P V needed the last block's P), so this
+        # consumer's half of q_smem is free to stage its output columns. (K >= 1 here: with no block, nothing would
+        # order the producer's q copy before the staging; launch_fwd handles K = 0.)
+        _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, W * HALF, q_smem.slice(W * HALF, HALF, dim=1), D, W == 0)
 
     @gluon.jit
     def _sparse_attn_fwd_gluon(Q, KV, IDX, SINK, OUT, LSE, H, K, qk_scale_log2,
@@ -258,14 +294,26 @@ if _IMPORTED:
             [4, 4], [REGS[0], REGS[1]])
 
 
+def _checked_config(config, what: str) -> dict:
+    """FWD_CONFIG updated with ``config``; unknown keys and a BLOCK_N the producer does not gather are refused."""
+    unknown = sorted(set(config or {}) - set(FWD_CONFIG))
+    if unknown:
+        raise ValueError(f"{what}: unknown keys {unknown}; expected some of {sorted(FWD_CONFIG)}")
+    cfg = dict(FWD_CONFIG, **(config or {}))
+    if cfg["BLOCK_N"] not in (16, 32, 64):
+        raise ValueError(f"{what}: BLOCK_N must be 16, 32 or 64 (rows gathered 16 at a time), got {cfg['BLOCK_N']}")
+    return cfg
+
+
 def launch_fwd(q, kv, idx, sink, out, lse, scale, config=None):
     """Fills ``out`` (T, H, D) and ``lse`` (T, H) for T >= 1 rows and a kv of >= 1 row (the caller,
     :func:`.triton._sparse_attn_fwd`, allocates them and handles the empty cases). ``config``: FWD_CONFIG keys."""
-    unknown = sorted(set(config or {}) - set(FWD_CONFIG))
-    if unknown:
-        raise ValueError(f"Gluon forward config: unknown keys {unknown}; expected some of {sorted(FWD_CONFIG)}")
+    cfg = _checked_config(config, "Gluon forward config")
     T, H, D = q.shape
-    cfg = dict(FWD_CONFIG, **(config or {}))
+    if idx.shape[1] == 0:       # every row empty; in the kernel the consumers would stage out in q_smem unsynced
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
     _sparse_attn_fwd_gluon[(T * (H // BLOCK_H),)](
         q, kv, idx, sink, out, lse, H, idx.shape[1], scale * LOG2E,
         D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
@@ -276,10 +324,7 @@ def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None):
     valid slots (0 for -1 slots): q (T, H, D) bf16/fp16 with :func:`available`, compressed_kv (N >= 1, D) in q's
     dtype, candidates (T, K) int32, full_lse (T, H) fp32 natural log -> (T, K) fp32. The KL's teacher logits, on the
     attention forward's producer + ring; what ``indexer_kl(..., full_lse=...)`` would otherwise form in Triton."""
-    unknown = sorted(set(config or {}) - set(FWD_CONFIG))
-    if unknown:
-        raise ValueError(f"teacher_mass config: unknown keys {unknown}; expected some of {sorted(FWD_CONFIG)}")
-    cfg = dict(FWD_CONFIG, **(config or {}))
+    cfg = _checked_config(config, "teacher_mass config")
     if cfg["STAGES"] < 2 or cfg["STAGES"] % 2:
         # Each consumer takes every other block, so with an even ring each owns its stages; with an odd one a
         # consumer's parity wait on a stage it skipped a use of would rely on the order the copies complete.
