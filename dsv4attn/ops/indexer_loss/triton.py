@@ -23,6 +23,11 @@ Forward, one program per query row (programs in row order: neighbouring rows sha
   recomputes the logits and forms T, the KL terms and dKL/dI. Memory stays linear in T (the candidate rows are
   materialised one chunk of query rows at a time, see :func:`indexer_kl_triton`).
 
+*Full-denominator form* (``full``: each head's L_h is given, e.g. the attention's logaddexp(lse, sink)): one
+program per row, a student-only pass for its LSE, one pass forming mass(j) from natural-log logits and Z while
+storing mass(j) and I(j) to (rows, K) fp32 rows (scratch unless saved; one chunk's worth), then a GEMM-free pass
+summing the KL terms with Z known; on SM90 mass(j) can come from a Gluon kernel (``gluon_hopper.teacher_mass``).
+
 The forward saves dKL/dI per slot, ``G(j) = Q(j) sum T - T(j)`` (fp32, (T, K)), when K <= ``SAVE_G_MAX_WIDTH``,
 so that the backward does not recompute the teacher (the bulk of the work: H x D per candidate against Hi x Di for
 the student). Wider rows save per-row statistics (log2 of each head's full denominator, the student's LSE, the
@@ -123,9 +128,10 @@ def _student_scores2(QI, W, ki, t, valid, Hi: tl.constexpr, Di: tl.constexpr, BL
 
 
 @triton.jit
-def _teacher_logits2(Q, CKV, t, h0, rows, valid, qk_scale_log2, H: tl.constexpr, D: tl.constexpr,
+def _teacher_logits2(Q, CKV, t, h0, rows, valid, factor, H: tl.constexpr, D: tl.constexpr,
                      BLOCK_HT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_T: tl.constexpr):
-    """log2(e) * s_h(j) for heads h0 .. h0+BLOCK_HT and the gathered rows; -inf for empty slots and padded heads."""
+    """factor * <q[t, h], C_j> for heads h0 .. h0+BLOCK_HT and the gathered rows (factor = scale * log2(e): the
+    logits in base 2, log2(e) s_h(j); factor = scale: s_h(j)); -inf for empty slots and padded heads."""
     offs_h = h0 + tl.arange(0, BLOCK_HT)
     h_ok = offs_h < H
     offs_d = tl.arange(0, BLOCK_D)
@@ -137,7 +143,7 @@ def _teacher_logits2(Q, CKV, t, h0, rows, valid, qk_scale_log2, H: tl.constexpr,
         c_c = tl.load(CKV + rows[:, None] * D + d0 + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
                       other=0.0)
         s += dot(q_c, tl.trans(c_c), DOT_T)
-    return tl.where(h_ok[:, None] & valid[None, :], s * qk_scale_log2, float("-inf"))
+    return tl.where(h_ok[:, None] & valid[None, :], s * factor, float("-inf"))
 
 
 @triton.jit
@@ -238,7 +244,7 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
     n_end = tl.load(NEND + t)
     offs_h = tl.arange(0, BLOCK_HT)
     full = tl.load(FULL_LSE + t * H + offs_h, mask=offs_h < H, other=float("-inf"))
-    tl.store(FULL2 + t * H + offs_h, full * 1.4426950408889634, mask=offs_h < H)
+    tl.store(FULL2 + t * H + offs_h, full, mask=offs_h < H)       # L itself: a recomputing backward forms m alike
     m_v = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l_v = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_N):
@@ -285,9 +291,10 @@ def _indexer_kl_fwd_kernel(
     BLOCK_D: tl.constexpr, ONE_BLOCK: tl.constexpr, SAVE_G: tl.constexpr, DOT_T: tl.constexpr,
     DOT_S: tl.constexpr, FULL: tl.constexpr = False, MASS_GIVEN: tl.constexpr = False,
 ):
-    # FULL2 (rows, H): log2 of each head's full denominator. ROWSTAT (rows, 3): log2 of the student's LSE,
-    # max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; in two-pass mode slots past NEND, the
-    # row's last valid slot + 1, are not written: the backward never reads them, the launcher zero-fills G).
+    # FULL2 (rows, H): log2 of each head's full denominator (FULL: the natural-log L itself). ROWSTAT (rows, 3):
+    # log2 of the student's LSE, max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; in two-pass
+    # mode slots past NEND, the row's last valid slot + 1, are not written: the backward never reads them, the
+    # launcher zero-fills G).
     # FULL: OUTSIDE holds each head's full denominator L itself (natural log), so the teacher logits are formed
     # once (see _full_denominator_given_pass); MASS (rows, K) fp32 holds the teacher mass (scratch, or formed
     # beforehand with MASS_GIVEN) and G is scratch for the student scores even without SAVE_G.
@@ -370,12 +377,14 @@ def _indexer_kl_fwd_kernel(
 @triton.jit
 def _indexer_kl_bwd_kernel(
     QI, KI, W, Q, CKV, IDX, NEND, GRAD, G, FULL2, ROWSTAT, DQI, DKI, DW,
-    K, qk_scale_log2,
+    K, qk_scale_log2, qk_scale,
     H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_G: tl.constexpr, SPLIT_DX: tl.constexpr, DOT_T: tl.constexpr,
-    DOT_S: tl.constexpr,
+    DOT_S: tl.constexpr, FULL: tl.constexpr = False,
 ):
+    # FULL (recomputing, i.e. not HAS_G): FULL2 holds the natural-log L and the teacher mass is formed as the
+    # forward formed it (_mass_natural).
     # DKI: (Nc, Di) fp32, atomic adds. DQI: (rows, Hi, Di) in the dtype of QI. DW: (rows, Hi) fp32.
     t = tl.program_id(0).to(tl.int64)
     offs_g = tl.arange(0, BLOCK_HI)
@@ -405,9 +414,14 @@ def _indexer_kl_bwd_kernel(
             else:
                 score2 = tl.where(valid, tl.sum(tl.maximum(x, 0.0) * w[:, None], 0) * 1.4426950408889634,
                                   float("-inf"))
-                s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D,
-                                      DOT_T)
-                _, d_score = _kl_terms(_mass(s2, full), score2, valid, lse_i2, z_floor, sum_t)
+                if FULL:
+                    s = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale, H, D, BLOCK_HT, BLOCK_N, BLOCK_D, DOT_T)
+                    mass = _mass_natural(s, full)
+                else:
+                    s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N,
+                                          BLOCK_D, DOT_T)
+                    mass = _mass(s2, full)
+                _, d_score = _kl_terms(mass, score2, valid, lse_i2, z_floor, sum_t)
             d_score = d_score * grad
             dw += tl.sum(tl.maximum(x, 0.0) * d_score[None, :], 1)
             dx = tl.where(x > 0, w[:, None] * d_score[None, :], 0.0)
@@ -530,26 +544,35 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     # defined everywhere (the backward never reads them; one memset of T x K fp32).
     g_buf = torch.zeros(T, K, dtype=torch.float32, device=qi.device) if save_g else None
     mass_given = mass is not None
-    g_rows = g_buf
-    if full:                   # the full form keeps m(j) and I(j) per slot until Z is known (scratch unless saved)
-        mass = mass if mass_given else torch.empty(T, K, dtype=torch.float32, device=qi.device)
-        g_rows = g_buf if save_g else torch.empty(T, K, dtype=torch.float32, device=qi.device)
+    scratch = {}
+
+    def rows_of(name, saved, s, e):
+        """Rows s..e of ``saved`` if given, else of a (rows, K) fp32 scratch reused by the chunks (the full form
+        keeps m(j) and I(j) per slot until Z is known; memory stays that of one chunk)."""
+        if saved is not None:
+            return saved[s:e]
+        if name not in scratch or scratch[name].shape[0] < e - s:
+            scratch[name] = torch.empty(e - s, K, dtype=torch.float32, device=qi.device)
+        return scratch[name][:e - s]
     cfg, launch = _split_launch(config)
     meta = dict(_fwd_meta(K, H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype),
                 FULL=full, MASS_GIVEN=mass_given)
     if full:                                 # one pass per row: the one-candidate-tile layout does not apply
         meta.update(ONE_BLOCK=False, BLOCK_N=cfg["BLOCK_N"], BLOCK_HT=_pow2(H))
     for s, e, idx, n_end in chunks:
+        g_rows = rows_of("g", g_buf, s, e) if full or save_g else kl
+        mass_rows = rows_of("mass", mass, s, e) if full else kl
         _launch(_indexer_kl_fwd_kernel, e - s,
                 (qi[s:e], ki, w[s:e], qm[s:e], ckv, outside[s:e], idx, n_end, kl[s:e], full2[s:e], rowstat[s:e],
-                 g_rows[s:e] if g_rows is not None else kl, mass[s:e] if mass is not None else kl, K,
-                 scale * 1.4426950408889634, scale, FLT_MIN),
+                 g_rows, mass_rows, K, scale * 1.4426950408889634, scale, FLT_MIN),
                 meta, launch, _fwd_shrink)
     return kl, full2, rowstat, g_buf
 
 
-def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale: float, config: dict):
-    """The backward kernel over ``chunks`` (as :func:`_kl_forward`'s); ``g_buf`` None recomputes the teacher.
+def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale: float, config: dict,
+                 full: bool = False):
+    """The backward kernel over ``chunks`` (as :func:`_kl_forward`'s); ``g_buf`` None recomputes the teacher
+    (``full``: the forward ran in the full-denominator form).
 
     Returns d index_q in ``qi``'s dtype, d index_k fp32 with ``ki``'s rows, d index_weights fp32.
     """
@@ -565,11 +588,11 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
     meta = dict(H=H, D=D, Hi=Hi, Di=Di, BLOCK_N=cfg["BLOCK_N"], BLOCK_HT=_pow2(H), BLOCK_HI=_pow2(Hi),
                 BLOCK_DI=_pow2(Di), BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)), HAS_G=has_g,
                 SPLIT_DX=bool(cfg.get("SPLIT_DX", True)) and qi.dtype != torch.float32,
-                DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype))
+                DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype), FULL=full)
     for s, e, idx, n_end in chunks:
         _launch(_indexer_kl_bwd_kernel, e - s,
                 (qi[s:e], ki, w[s:e], qm[s:e], ckv, idx, n_end, grad[s:e], g_buf[s:e] if has_g else grad,
-                 full2[s:e], rowstat[s:e], d_qi[s:e], d_ki, d_w[s:e], K, scale * 1.4426950408889634),
+                 full2[s:e], rowstat[s:e], d_qi[s:e], d_ki, d_w[s:e], K, scale * 1.4426950408889634, scale),
                 meta, launch, _bwd_shrink)
     return d_qi, d_ki, d_w
 
@@ -641,8 +664,8 @@ def _indexer_kl_fake(index_q, index_k, index_weights, q, compressed_kv, outside_
 def indexer_kl_backward_op(grad_kl: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
                            index_weights: torch.Tensor, q: torch.Tensor, compressed_kv: torch.Tensor,
                            candidates: torch.Tensor, n_end: torch.Tensor, full2: torch.Tensor, rowstat: torch.Tensor,
-                           g: torch.Tensor, scale: float,
-                           bwd_tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           g: torch.Tensor, scale: float, bwd_tiles: list[int],
+                           full: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """d index_q, d index_k, d index_weights (in their own dtypes) from the forward's saved state.
 
     ``g`` with T rows: the saved dKL/dI is used; with 0 rows the teacher is recomputed from ``full2`` / ``rowstat``.
@@ -654,22 +677,22 @@ def indexer_kl_backward_op(grad_kl: torch.Tensor, index_q: torch.Tensor, index_k
         d_qi, d_ki, d_w = _kl_backward(grad_kl, _operands(index_q, index_k, index_weights, q, compressed_kv), full2,
                                        rowstat, g if g.shape[0] == T else None,
                                        [(0, T, idx, n_end.contiguous())] if T else [], K, scale,
-                                       dict(zip(BWD_KEYS, bwd_tiles)))
+                                       dict(zip(BWD_KEYS, bwd_tiles)), full)
     return d_qi.to(index_q.dtype), d_ki[:index_k.shape[0]].to(index_k.dtype), d_w.to(index_weights.dtype)
 
 
 @indexer_kl_backward_op.register_fake
 def _indexer_kl_backward_fake(grad_kl, index_q, index_k, index_weights, q, compressed_kv, candidates, n_end, full2,
-                              rowstat, g, scale, bwd_tiles):
+                              rowstat, g, scale, bwd_tiles, full=False):
     return (index_q.new_empty(index_q.shape), index_k.new_empty(index_k.shape),
             index_weights.new_empty(index_weights.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    index_q, index_k, index_weights, q, compressed_kv, _, candidates, scale, _, _, bwd_tiles, _ = inputs
+    index_q, index_k, index_weights, q, compressed_kv, _, candidates, scale, _, _, bwd_tiles, full = inputs
     _, full2, rowstat, g, n_end = output
     ctx.save_for_backward(index_q, index_k, index_weights, q, compressed_kv, candidates, n_end, full2, rowstat, g)
-    ctx.scale, ctx.bwd_tiles = scale, bwd_tiles
+    ctx.scale, ctx.bwd_tiles, ctx.full = scale, bwd_tiles, full
     ctx.mark_non_differentiable(full2, rowstat, g, n_end)
 
 
@@ -677,7 +700,7 @@ def _backward(ctx, grad_kl, *_grad_state):
     index_q = ctx.saved_tensors[0]
     if grad_kl is None:
         grad_kl = index_q.new_zeros(index_q.shape[0], dtype=torch.float32)
-    d_qi, d_ki, d_w = indexer_kl_backward_op(grad_kl, *ctx.saved_tensors, ctx.scale, ctx.bwd_tiles)
+    d_qi, d_ki, d_w = indexer_kl_backward_op(grad_kl, *ctx.saved_tensors, ctx.scale, ctx.bwd_tiles, ctx.full)
     # No gradient to q, compressed_kv, outside_lse (the teacher is detached), candidates or the host arguments.
     return d_qi, d_ki, d_w, None, None, None, None, None, None, None, None, None
 
@@ -700,7 +723,7 @@ class _IndexerKLTriton(torch.autograd.Function):
         kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, chunks, K, scale, save_g, config, full)
         ctx.save_for_backward(*operands, full2, rowstat, g_buf)
         ctx.chunks, ctx.ranges = (chunks if save_g else None), ranges
-        ctx.candidates, ctx.scale, ctx.bwd_config = candidates, scale, bwd_config
+        ctx.candidates, ctx.scale, ctx.bwd_config, ctx.full = candidates, scale, bwd_config, full
         ctx.dtypes = (index_q.dtype, index_k.dtype, index_weights.dtype, index_k.shape[0])
         return kl
 
@@ -710,7 +733,7 @@ class _IndexerKLTriton(torch.autograd.Function):
         dt_q, dt_k, dt_w, n_keys = ctx.dtypes
         chunks = ctx.chunks if ctx.chunks is not None else _lazy_chunks(ctx.candidates, ctx.ranges)
         d_qi, d_ki, d_w = _kl_backward(grad_kl, (qi, ki, w, qm, ckv), full2, rowstat, g_buf, chunks,
-                                       ctx.candidates.width, ctx.scale, ctx.bwd_config)
+                                       ctx.candidates.width, ctx.scale, ctx.bwd_config, ctx.full)
         return (d_qi.to(dt_q), d_ki[:n_keys].to(dt_k), d_w.to(dt_w), None, None, None, None, None, None, None,
                 None)
 

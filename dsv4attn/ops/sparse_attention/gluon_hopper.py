@@ -12,14 +12,19 @@ tensor cores wait (ttgir of the Triton 3.6 build: ``tt.load`` + ``local_alloc``,
 
 Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_specialize``):
 
-- producer (24 registers per thread): copies q, then the kv rows of every BLOCK_N slots into a ring of STAGES
-  NVMMA-swizzled shared-memory tiles with ``cp.async``, each thread's completions arriving on ``full[stage]``;
-  refills a stage once both consumers have arrived on ``empty[stage]``.
+- producer (40 registers per thread, ``REGS``): copies q, then the kv rows of every BLOCK_N slots into a ring of
+  STAGES NVMMA-swizzled shared-memory tiles with ``cp.async``, each thread's completions arriving on
+  ``full[stage]``; refills a stage once its consumers have arrived on ``empty[stage]`` (both consumers in the
+  attention forward, the one that used it in the teacher-mass kernel). The next block's slot indices are loaded
+  while it waits.
 - consumer W (W = 0, 1) owns output columns [W * D/2, (W+1) * D/2) (a 64 x D/2 fp32 accumulator) and the softmax of
   blocks b = W, W + 2, ...: S = Q K^T over the full contraction (wgmma, N = BLOCK_N), the online softmax from the
   running max left by block b - 1, then P (bf16) and the row statistics (rescale factor, row sum, new max) go to
   shared memory (``pready[b % 2]``). For every block both consumers rescale and add P V for their columns (P read
-  by the wgmma from shared memory) and release P's buffer (``pfree``) and the ring stage (``empty``).
+  by the wgmma from shared memory) and release P's buffer (``pfree``) and the ring stage (``empty``). The output
+  goes out through the consumer's (free by then) half of q's shared memory, for whole-sector stores.
+
+:func:`teacher_mass` reuses the producer and ring for the indexer KL's teacher mass (two independent consumers).
 
 No cross-warpgroup reductions: each block's softmax lives in one warpgroup (rows reduce inside a quad of threads).
 Gluon kernels run only on the GPU (no interpreter): the tests compare this kernel with the float64 reference on the
@@ -41,9 +46,10 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 LOG2E = 1.4426950408889634
 BLOCK_H = 64
 # BLOCK_N: gathered rows per block; STAGES: ring depth; REGS: registers per thread of the worker consumer and the
-# producer (setmaxnreg; the first consumer gets the rest of the 64K). H200, T = 32768, H = 64, K = 640: REGS
-# (216, 40) 7.32-7.38 ms, (232, 24) 7.70-7.78, (200, 56) 7.45, (184, 72) 10.5 (consumer spills); 32 rows x 4 / 3
-# stages 9.2 ms.
+# producer (setmaxnreg; the first consumer gets the rest of the 64K). H200, T = 32768, H = 64, K = 640 (third
+# session, before the index prefetch and staged stores): REGS (216, 40) 7.32-7.38 ms, (232, 24) 7.70-7.78,
+# (200, 56) 7.45, (184, 72) 10.5 (consumer spills); 32 rows x 4 / 3 stages 9.2 ms. Now (216, 40): 6.81-6.91 ms;
+# (208, 56) / (224, 32) were slower by 2% in the same run.
 FWD_CONFIG = dict(BLOCK_N=64, STAGES=2, REGS=(216, 40))
 
 
@@ -69,8 +75,8 @@ if _IMPORTED:
         # Sink in the denominator only: out = acc / (l + 2^(sink log2e - m)); rows without keys (l == 0) give 0.
         # ``acc`` holds output columns [col0, col0 + its width) of the 64 heads of head block ``hb``. It goes out
         # through ``staging`` (shared memory of its shape, free by now): stored from the wgmma layout, read back 8
-        # columns per thread, so each warp writes whole 512-byte row segments (the wgmma layout's 4-byte pieces
-        # filled half of every 32-byte sector: ncu counted twice the output's bytes reaching L2).
+        # columns per thread, so at D = 512 each warp writes whole 512-byte row segments (the wgmma layout's 4-byte
+        # pieces filled half of every 32-byte sector: ncu counted twice the output's bytes reaching L2).
         row_layout: gl.constexpr = m_i.type.layout
         o_layout: gl.constexpr = acc.type.layout
         h_s = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=row_layout)
@@ -200,9 +206,11 @@ if _IMPORTED:
             acc = warpgroup_mma(p_buf.index(half), kv.slice(W * HALF, HALF, dim=1), acc)
             mbarrier.arrive(pfree.index(half))
             mbarrier.arrive(empty.index(stage))
-        # Every Q K^T is done once either consumer gets here (its last P V needed the last block's P), so this
-        # consumer's half of q_smem is free to stage its output columns. (K >= 1 here: with no block, nothing would
-        # order the producer's q copy before the staging; launch_fwd handles K = 0.)
+        # Every Q K^T is done once either consumer gets here, so this consumer's half of q_smem is free to stage
+        # its output columns: the owner of the last block ran that Q K^T itself and, for the block before, waited
+        # for the other's P (after the other's Q K^T); the other consumer waited for the last block's P. (K >= 1
+        # here: with no block, nothing would order the producer's q copy before the staging; launch_fwd handles
+        # K = 0.)
         _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, W * HALF, q_smem.slice(W * HALF, HALF, dim=1), D, W == 0)
 
     @gluon.jit
