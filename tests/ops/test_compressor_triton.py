@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.ops.interpreter import run_worker
+from tests.ops.kernel_checks import assert_error_within, low_precision_bound
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NAMES = ("out", "dkv", "dgate", "d_bias")
@@ -184,12 +185,10 @@ def _assert_within_bounds(case_id, measured, low_precision, floor=1e-6):
         assert m["finite"], f"{case_id} {name}: NaN/inf in the kernel result (an element left unwritten?)"
         assert m["zeros_exact"], f"{case_id} {name}: nonzero where the float64 reference is exactly 0"
         if low_precision:
-            bound = (2.0 if name == "out" else 3.0) * m["err_ref"] + floor * m["magnitude"]
+            bound = low_precision_bound(m, 2.0 if name == "out" else 3.0, floor)
         else:
             bound = 2e-6 * max(m["magnitude"], 1e-30)
-        assert m["err_kernel"] <= bound, (
-            f"{case_id} {name}: kernel error {m['err_kernel']:.3e} > bound {bound:.3e} "
-            f"(reference in low precision: {m['err_ref']:.3e}, magnitude {m['magnitude']:.3e})")
+        assert_error_within(f"{case_id} {name}", m, bound)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from tests.ops.interpreter import run_worker
-from torch.utils._python_dispatch import TorchDispatchMode
+from tests.ops.kernel_checks import OpLog, assert_error_within, low_precision_bound
 
 NAMES = ("kl", "d_index_q", "d_index_k", "d_index_weights")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -341,18 +341,6 @@ def _op_checks(klt, plumbing_inputs) -> dict:
     return out
 
 
-class OpLog(TorchDispatchMode):
-    """Records the names of the ops dispatched while active (a custom op shows as one call, its body unseen)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.fixture(scope="module")
 def interpreted():
     pytest.importorskip("triton")
@@ -364,12 +352,10 @@ def _assert_within_bounds(case_id, measured, low_precision):
         m = measured[name]
         assert m["finite"], f"{case_id} {name}: NaN/inf in the kernel's result"
         if low_precision:
-            bound = (3.0 if name != "kl" else 2.0) * m["err_ref"] + 1e-6 * m["magnitude"]
+            bound = low_precision_bound(m, 3.0 if name != "kl" else 2.0)
         else:
             bound = 1e-5 * max(m["magnitude"], 1e-30)
-        assert m["err_kernel"] <= bound, (
-            f"{case_id} {name}: kernel error {m['err_kernel']:.3e} > bound {bound:.3e} "
-            f"(reference in low precision: {m['err_ref']:.3e}, magnitude {m['magnitude']:.3e})")
+        assert_error_within(f"{case_id} {name}", m, bound)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))

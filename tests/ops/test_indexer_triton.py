@@ -23,9 +23,9 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.ops.interpreter import run_worker
+from tests.ops.kernel_checks import OpLog
 from tests.packs import build_pack, random_lengths
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -208,18 +208,6 @@ def _worker() -> None:
     compiled = torch.compile(lambda a, b, c_: ix_triton.indexer_topk_triton(a, b, c_, candidates, 5), fullgraph=True)
     plumbing["compile_fullgraph_matches_eager"] = torch.equal(compiled(q, k, w), direct)
     print("RESULTS " + json.dumps(results))
-
-
-class OpLog(TorchDispatchMode):
-    """Records the names of the ops dispatched while active (a custom op shows as one call, its body unseen)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.ops.interpreter import run_worker
+from tests.ops.kernel_checks import assert_error_within, low_precision_bound
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NAMES = ("out", "lse", "dq", "dkv", "d_sink")
@@ -284,13 +285,10 @@ def _assert_within_bounds(case_id, measured, low_precision):
     for name, m in measured.items():
         assert m["same_pattern"], f"{case_id} {name}: NaN/inf pattern differs from the float64 reference"
         if low_precision:
-            factor = 3.0 if name in GRADS else 2.0
-            bound = factor * m["err_ref"] + 1e-6 * m["magnitude"]
+            bound = low_precision_bound(m, 3.0 if name in GRADS else 2.0)
         else:
             bound = 1e-5 * max(m["magnitude"], 1e-30)
-        assert m["err_kernel"] <= bound, (
-            f"{case_id} {name}: kernel error {m['err_kernel']:.3e} > bound {bound:.3e} "
-            f"(reference in low precision: {m['err_ref']:.3e}, magnitude {m['magnitude']:.3e})")
+        assert_error_within(f"{case_id} {name}", m, bound)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
