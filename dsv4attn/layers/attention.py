@@ -132,8 +132,8 @@ class HybridAttention(KeepFp32Params):
                 index_set = Concat(window, Rows(visible, 0, T, shift=n_keys))
 
         loss = None
+        train_indexer = self.indexer is not None and self.training and torch.is_grad_enabled()
         if self.indexer is not None:
-            train_indexer = self.training and torch.is_grad_enabled()
             if phase == "dense":
                 if train_indexer:  # indexer not run; its parameters still get exact-zero gradients (decision 8)
                     loss = sum(p.sum() for p in self.indexer.parameters()) * 0.0
@@ -147,7 +147,7 @@ class HybridAttention(KeepFp32Params):
                     loss = self._indexer_loss(q, kv, compressed, window, index_q, index_k, index_w, visible, pack)
 
         out, lse = sparse_attention(q, keys, index_set, self.sinks, c.softmax_scale)
-        if self.indexer is not None and phase == "sparse" and self.training and torch.is_grad_enabled():
+        if train_indexer and phase == "sparse":
             # The teacher's candidates are exactly the attention's compressed ones: its own full denominator
             # logaddexp(lse, sink) normalises the teacher (no second attention over the window, logits formed once).
             full_lse = torch.logaddexp(lse.detach(), self.sinks.detach().to(lse.dtype))
