@@ -24,9 +24,9 @@ Forward, one program per query row (programs in row order: neighbouring rows sha
   materialised one chunk of query rows at a time, see :func:`indexer_kl_triton`).
 
 *Full-denominator form* (``full``: each head's L_h is given, e.g. the attention's logaddexp(lse, sink)): one
-program per row, a student-only pass for its LSE, one pass forming mass(j) from natural-log logits and Z while
-storing mass(j) and I(j) to (rows, K) fp32 rows (scratch unless saved; one chunk's worth), then a GEMM-free pass
-summing the KL terms with Z known; on SM90 mass(j) can come from a Gluon kernel (``gluon_hopper.teacher_mass``).
+program per row, one pass forming I(j) with its online LSE and mass(j) from natural-log logits with Z, storing
+mass(j) and I(j) to (rows, K) fp32 rows (scratch unless saved; one chunk's worth), then a GEMM-free pass summing
+the KL terms with the LSE and Z known; on SM90 mass(j) can come from a Gluon kernel (``gluon_hopper.teacher_mass``).
 
 The forward saves dKL/dI per slot, ``G(j) = Q(j) sum T - T(j)`` (fp32, (T, K)), when K <= ``SAVE_G_MAX_WIDTH``,
 so that the backward does not recompute the teacher (the bulk of the work: H x D per candidate against Hi x Di for
@@ -234,9 +234,9 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
                                  BLOCK_DI: tl.constexpr, BLOCK_D: tl.constexpr, SAVE_G: tl.constexpr,
                                  DOT_T: tl.constexpr, DOT_S: tl.constexpr, MASS_GIVEN: tl.constexpr):
     """One row when each head's full denominator L_h is given (the main attention's logaddexp(lse, sink) when S_t
-    is exactly its compressed candidates): a student-only pass for its LSE, then one pass forming the teacher mass
-    m(j) = sum_h exp(s_h(j) - L_h) and Z = sum_j m(j), storing m(j) to MASS and log2(e) I(j) to G (scratch rows
-    unless SAVE_G), and a last, GEMM-free loop over the stored values with Z known: KL = sum_j T (ln T - ln Q),
+    is exactly its compressed candidates): one pass forming the student scores I(j) with their online LSE and the
+    teacher mass m(j) = sum_h exp(s_h(j) - L_h) with Z = sum_j m(j), storing m(j) to MASS and log2(e) I(j) to G
+    (scratch rows unless SAVE_G), then a GEMM-free loop over the stored values with the LSE and Z known: KL = sum_j T (ln T - ln Q),
     T = m / Zf, Zf = max(Z, FLT_MIN), term by term as in the two-pass form (the one-pass identity
     (sum m ln m - sum m ln Q) / Zf - ln Zf cancels terms ~20x larger than KL in fp32), and with SAVE_G
     dKL/dI = Q (Z/Zf) - T in place of I. MASS_GIVEN: m(j) was formed beforehand (the Gluon teacher-mass kernel).
@@ -247,16 +247,13 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
     tl.store(FULL2 + t * H + offs_h, full, mask=offs_h < H)       # L itself: a recomputing backward forms m alike
     m_v = tl.full([BLOCK_N], float("-inf"), tl.float32)
     l_v = tl.zeros([BLOCK_N], tl.float32)
-    for start in range(0, K, BLOCK_N):
-        if start < n_end:
-            _, _, _, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI, BLOCK_DI, DOT_S)
-            m_v, l_v = _lane_lse_update(m_v, l_v, score2)
-    lse_i2 = _lane_lse_finish(m_v, l_v)
     z_acc = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_N):
         if start < n_end:
             n, valid, rows, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI, BLOCK_DI,
                                                     DOT_S)
+            m_v, l_v = _lane_lse_update(m_v, l_v, score2)
+            tl.store(G + t * K + n, score2, mask=n < K)
             if MASS_GIVEN:
                 mass = tl.load(MASS + t * K + n, mask=valid, other=0.0)
             else:
@@ -264,7 +261,7 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
                 mass = tl.where(valid, _mass_natural(s, full), 0.0)
                 tl.store(MASS + t * K + n, mass, mask=n < K)
             z_acc += mass
-            tl.store(G + t * K + n, score2, mask=n < K)
+    lse_i2 = _lane_lse_finish(m_v, l_v)
     z = tl.sum(z_acc, 0)
     z_floor = tl.maximum(z, flt_min)
     sum_t = z / z_floor
@@ -433,8 +430,11 @@ def _indexer_kl_bwd_kernel(
                 dx_lo = round_to(dx - dx_hi.to(tl.float32), KI, DOT_S == 2)
                 dq += dot(dx_lo, ki, DOT_S)
                 dk += dot(tl.trans(dx_lo), qi, DOT_S)
-            # Repeated key rows in a block are fine: every element is its own atomic add.
-            tl.atomic_add(DKI + rows[:, None] * Di + offs_di[None, :], dk, mask=valid[:, None] & di_ok[None, :])
+            # Repeated key rows in a block are fine: every element is its own atomic add. Nothing reads DKI before
+            # the kernel ends, so relaxed order suffices (the default, acq_rel, also orders each add against the
+            # program's other memory operations: 30-45% of the attention backward's time when it was on).
+            tl.atomic_add(DKI + rows[:, None] * Di + offs_di[None, :], dk, mask=valid[:, None] & di_ok[None, :],
+                          sem="relaxed")
     tl.store(DQI + (t * Hi + offs_g[:, None]) * Di + offs_di[None, :], round_to(dq, DQI, DOT_S == 2),
              mask=g_ok[:, None] & di_ok[None, :])
     tl.store(DW + t * Hi + offs_g, dw, mask=g_ok)
