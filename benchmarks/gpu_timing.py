@@ -23,6 +23,17 @@ def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def paired_ms(fn_a, fn_b, rounds: int = 7) -> tuple[float, float, list[float]]:
+    """Times two functions in alternating rounds (a, b, a, b, ...; each round a :func:`time_ms`), so that clock and
+    temperature drift over the run reach both alike. Returns (median ms of a, median ms of b, the per-round ratios
+    b / a)."""
+    a_ms, b_ms = [], []
+    for _ in range(rounds):
+        a_ms.append(time_ms(fn_a))
+        b_ms.append(time_ms(fn_b))
+    return statistics.median(a_ms), statistics.median(b_ms), [b / a for a, b in zip(a_ms, b_ms)]
+
+
 def peak_mib(fn) -> float:
     """Peak memory of ``fn()`` above what was allocated before the call (the inputs), in MiB."""
     torch.cuda.synchronize()

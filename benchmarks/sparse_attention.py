@@ -9,7 +9,8 @@ masked slots, backward = 2.5x forward. Run (CUDA, Triton):
         [--flashmla .peers/flashmla] [--log out.txt]
 
 ``--flashmla`` times FlashMLA's sparse prefill forward (``bash ../shared/peers/get_flashmla.sh``) on the same
-inputs in the same run; the project never depends on it. "peak MiB" is what a call allocates beyond its inputs;
+inputs in the same run, alternating with our forward over 7 rounds (medians; the per-round ratios are printed);
+the project never depends on it. "peak MiB" is what a call allocates beyond its inputs;
 "mem/io" (forward+backward) is that plus q and kv over the bytes of q, kv, out, lse, dq, dkv (target <= 1.3).
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import argparse
 import sys
 
 import torch
-from gpu_timing import peak_mib, start_log, time_ms
+from gpu_timing import paired_ms, peak_mib, start_log, time_ms
 
 MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (PERFORMANCE.md)
 D, WINDOW, TOPK = 512, 128, 512
@@ -120,12 +121,15 @@ def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: st
 
         fm_out = fm_fwd()[0]
         err = ((fm_out.float() - out.float()).abs().max() / out.float().abs().max()).item()
-        fm_ms = time_ms(fm_fwd)
+        # The two forwards alternate (FlashMLA's time drifted by up to 10% between the start and the end of one run).
+        ours_ms, fm_ms, ratios = paired_ms(fwd, fm_fwd)
         row("flashmla", "fwd", fm_ms, fwd_flop, peak_mib(fm_fwd))
-        log(f"  (FlashMLA vs our forward: max |diff| / max |out| = {err:.2e})")
+        log(f"  (FlashMLA vs our forward: max |diff| / max |out| = {err:.2e}; {len(ratios)} alternating rounds,"
+            f" per-round x FlashMLA {min(ratios):.3f} .. {max(ratios):.3f})")
     impl = {"fwd": f"ours ({sat.forward_kernel(q, fwd_cfg)})", "bwd": "ours (triton)", "fwd+bwd": "ours"}
     for op, fn, flop in [("fwd", fwd, fwd_flop), ("bwd", bwd, 2.5 * fwd_flop), ("fwd+bwd", fwd_bwd, 3.5 * fwd_flop)]:
-        row(impl[op], op, time_ms(fn), flop, peak_mib(fn), fm_ms if op == "fwd" else None)
+        ms = ours_ms if op == "fwd" and fm_ms is not None else time_ms(fn)
+        row(impl[op], op, ms, flop, peak_mib(fn), fm_ms if op == "fwd" else None)
     if with_reference:
         iset = Explicit(idx)
 
@@ -261,7 +265,7 @@ def main() -> None:
         sys.path.insert(0, args.flashmla)
         from load_flashmla import load
         flashmla = load(args.flashmla)
-    log("| impl op | shape | ms (median of 10) | TFLOP/s | / 782 peak | peak MiB | mem/io | x FlashMLA |")
+    log("| impl op | shape | ms (median) | TFLOP/s | / 782 peak | peak MiB | mem/io | x FlashMLA |")
     log("|---|---|---|---|---|---|---|---|")
     for heads in args.H:
         for T in args.T:
