@@ -21,8 +21,10 @@ Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_
   blocks b = W, W + 2, ...: S = Q K^T over the full contraction (wgmma, N = BLOCK_N), the online softmax from the
   running max left by block b - 1, then P (bf16) and the row statistics (rescale factor, row sum, new max) go to
   shared memory (``pready[b % 2]``). For every block both consumers rescale and add P V for their columns (P read
-  by the wgmma from shared memory) and release P's buffer (``pfree``) and the ring stage (``empty``). The output
-  goes out through the consumer's (free by then) half of q's shared memory, for whole-sector stores.
+  by the wgmma from shared memory) and release P's buffer (``pfree``) and the ring stage (``empty``). A consumer
+  issues P V of the other's block and Q K^T of its own next block back to back (asynchronous wgmma), releasing the
+  first's stage as soon as it is done. The output goes out through the consumer's (free by then) half of q's shared
+  memory, for whole-sector stores.
 
 :func:`teacher_mass` reuses the producer and ring for the indexer KL's teacher mass (two independent consumers).
 
@@ -38,7 +40,8 @@ try:  # Gluon is experimental: any import problem (older or newer Triton) just d
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     _IMPORTED = True
 except Exception:  # pragma: no cover - depends on the installed Triton
     _IMPORTED = False
@@ -48,8 +51,9 @@ BLOCK_H = 64
 # BLOCK_N: gathered rows per block; STAGES: ring depth; REGS: registers per thread of the worker consumer and the
 # producer (setmaxnreg; the first consumer gets the rest of the 64K). H200, T = 32768, H = 64, K = 640 (third
 # session, before the index prefetch and staged stores): REGS (216, 40) 7.32-7.38 ms, (232, 24) 7.70-7.78,
-# (200, 56) 7.45, (184, 72) 10.5 (consumer spills); 32 rows x 4 / 3 stages 9.2 ms. Now (216, 40): 6.81-6.91 ms;
-# (208, 56) / (224, 32) were slower by 2% in the same run.
+# (200, 56) 7.45, (184, 72) 10.5 (consumer spills); 32 rows x 4 / 3 stages 9.2 ms. Fourth session (216, 40):
+# 6.81-6.91 ms, (208, 56) / (224, 32) 2% slower. Back-to-back P V / Q K^T (fifth session): (216, 40) 6.59-6.65 ms,
+# (224, 32) 6.58 ms.
 FWD_CONFIG = dict(BLOCK_N=64, STAGES=2, REGS=(216, 40))
 
 
@@ -149,69 +153,107 @@ if _IMPORTED:
         async_copy.wait_group(0)
 
     @gluon.jit
-    def _pp_consumer(IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_smem, ring, p_buf, stats, full, empty,
+    def _pp_publish(s, m_i, qk_scale_log2, b, p_buf, stats, pready, pfree):
+        # Owner's softmax of block b (scores s, -inf at empty slots) from the running max m_i: P (bf16) and the row
+        # statistics (rescale factor, row sum, new max) go to shared memory for both consumers (pready[b % 2]) once
+        # both have released P of block b - 2 (pfree). Returns the statistics.
+        half = b % 2
+        s = s * qk_scale_log2
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        # An all-empty block keeps m at -inf: shift by 0 instead so that no -inf - -inf NaN appears.
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        row_sum = gl.sum(p, 1)
+        mbarrier.wait(pfree.index(half), ((b // 2) + 1) & 1, pred=b >= 2)
+        p_buf.index(half).store(p.to(p_buf.dtype))
+        stats.index(3 * half).store(alpha)
+        stats.index(3 * half + 1).store(row_sum)
+        stats.index(3 * half + 2).store(m_new)
+        fence_async_shared()
+        mbarrier.arrive(pready.index(half))
+        return alpha, row_sum, m_new
+
+    @gluon.jit
+    def _pp_take_over(b, l_i, acc, stats, full, pready, STAGES: gl.constexpr, row_layout: gl.constexpr):
+        # The other consumer's block b, once its P is published: the running sum and max it left, and acc rescaled
+        # to that max. Returns (l, m, acc).
+        mbarrier.wait(full.index(b % STAGES), (b // STAGES) & 1)
+        mbarrier.wait(pready.index(b % 2), (b // 2) & 1)
+        fence_async_shared()
+        alpha = stats.index(3 * (b % 2)).load(row_layout)
+        l_i = l_i * alpha + stats.index(3 * (b % 2) + 1).load(row_layout)
+        m_i = stats.index(3 * (b % 2) + 2).load(row_layout)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+        return l_i, m_i, acc
+
+    @gluon.jit
+    def _pp_consumer(IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats, full, empty,
                      pready, pfree, W: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        # Ping-pong schedule, consumer warpgroup W: owns output columns [W * D/2, (W+1) * D/2). Blocks b with
-        # b % 2 == W: scores over the full contraction, online softmax from the running max the other warpgroup
-        # left, P (bf16) and the row statistics published through shared memory. Every block: both warpgroups
-        # rescale and add P V for their columns. The softmaxes run one after the other (block b's needs block
-        # b - 1's running max); what overlaps is the producer's gathers and the two halves of P V.
+        # Ping-pong schedule, consumer warpgroup W: owns output columns [W * D/2, (W+1) * D/2) and the softmax of
+        # blocks b with b % 2 == W (_pp_publish); every block, both warpgroups rescale and add P V for their columns.
+        # The softmaxes run one after the other (block b's needs block b - 1's running max): the pace is set by
+        # hand-over -> P V of b -> Q K^T of b + 1 -> softmax of b + 1 -> hand-over. So each iteration takes the
+        # other's block b and this consumer's block c = b + 1 together: P V of b and Q K^T of c are issued back to
+        # back (asynchronously, no idle tensor cores between them), b's stage is released once its P V is done
+        # (waiting for all but the newest product), c's softmax starts once its Q K^T is. (H200, T = 32768,
+        # H = 64, K = 640: 6.58-6.65 ms; P V, then Q K^T, each waited for: 6.64-7.01 ms in the same runs.)
         # mbarrier.arrive is issued by one thread; Triton puts a barrier of the warpgroup before it (an arrive
         # counts as touching all shared memory), so every thread's stores are done when the other side wakes.
         HALF: gl.constexpr = D // 2
-        dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HALF, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_base = t * K
+        nb = gl.cdiv(K, BLOCK_N)
         m_i = gl.full([BLOCK_H_C], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.zeros([BLOCK_H_C], gl.float32, layout=row_layout)
         acc = gl.zeros([BLOCK_H_C, HALF], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
-        for b in range(gl.cdiv(K, BLOCK_N)):
-            stage = b % STAGES
-            half = b % 2
-            kv = ring.index(stage)
-            mbarrier.wait(full.index(stage), (b // STAGES) & 1)
-            if half == W:
+        for b in range(W - 1, nb - 1, 2):          # b = -1: consumer 0's block 0 has no block before it
+            c = b + 1
+            c_stage = c % STAGES
+            # q through a block-dependent zero index: with q_smem loop-invariant, the compiler hoisted the per-k-step
+            # descriptors of Q K^T out of the loop and spilled them (up to 205 spill instructions, sm_90 compile).
+            q_smem = q_all.index(b // (nb + 1))
+            if b >= 0:
+                l_i, m_i, acc = _pp_take_over(b, l_i, acc, stats, full, pready, STAGES, row_layout)
+                acc = warpgroup_mma(p_buf.index(b % 2), ring.index(b % STAGES).slice(W * HALF, HALF, dim=1), acc,
+                                    is_async=True)
+                mbarrier.wait(full.index(c_stage), (c // STAGES) & 1)
                 fence_async_shared()
-                s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False)
-                n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
-                s = gl.where((idx >= 0)[None, :], s * qk_scale_log2, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 1))
-                # An all-empty block keeps m at -inf: shift by 0 instead so that no -inf - -inf NaN appears.
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_safe)
-                p = gl.exp2(s - m_safe[:, None])
-                row_sum = gl.sum(p, 1)
-                mbarrier.wait(pfree.index(half), ((b // 2) + 1) & 1, pred=b >= 2)   # both used P of block b - 2
-                p_buf.index(half).store(p.to(dtype))
-                stats.index(3 * half).store(alpha)
-                stats.index(3 * half + 1).store(row_sum)
-                stats.index(3 * half + 2).store(m_new)
-                fence_async_shared()
-                mbarrier.arrive(pready.index(half))
+                s = warpgroup_mma(q_smem, ring.index(c_stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=[acc])
+                mbarrier.arrive(pfree.index(b % 2))
+                mbarrier.arrive(empty.index(b % STAGES))
+                s = warpgroup_mma_wait(0, deps=[s])
             else:
-                mbarrier.wait(pready.index(half), (b // 2) & 1)
+                mbarrier.wait(full.index(c_stage), (c // STAGES) & 1)
                 fence_async_shared()
-                alpha = stats.index(3 * half).load(row_layout)
-                row_sum = stats.index(3 * half + 1).load(row_layout)
-                m_new = stats.index(3 * half + 2).load(row_layout)
+                s = warpgroup_mma(q_smem, ring.index(c_stage).permute((1, 0)), s_zero, use_acc=False)
+            n = c * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
+            s = gl.where((idx >= 0)[None, :], s, float("-inf"))
+            alpha, row_sum, m_i = _pp_publish(s, m_i, qk_scale_log2, c, p_buf, stats, pready, pfree)
             l_i = l_i * alpha + row_sum
-            m_i = m_new
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            acc = warpgroup_mma(p_buf.index(half), kv.slice(W * HALF, HALF, dim=1), acc)
-            mbarrier.arrive(pfree.index(half))
-            mbarrier.arrive(empty.index(stage))
-        # Every Q K^T is done once either consumer gets here, so this consumer's half of q_smem is free to stage
-        # its output columns: the owner of the last block ran that Q K^T itself and, for the block before, waited
-        # for the other's P (after the other's Q K^T); the other consumer waited for the last block's P. (K >= 1
-        # here: with no block, nothing would order the producer's q copy before the staging; launch_fwd handles
-        # K = 0.)
-        _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, W * HALF, q_smem.slice(W * HALF, HALF, dim=1), D, W == 0)
+            acc = warpgroup_mma(p_buf.index(c % 2), ring.index(c_stage).slice(W * HALF, HALF, dim=1), acc)
+            mbarrier.arrive(pfree.index(c % 2))
+            mbarrier.arrive(empty.index(c_stage))
+        last = nb - 1
+        if last % 2 != W:       # the other consumer's last block: no block of this one after it
+            l_i, m_i, acc = _pp_take_over(last, l_i, acc, stats, full, pready, STAGES, row_layout)
+            acc = warpgroup_mma(p_buf.index(last % 2), ring.index(last % STAGES).slice(W * HALF, HALF, dim=1), acc)
+            mbarrier.arrive(pfree.index(last % 2))
+            mbarrier.arrive(empty.index(last % STAGES))
+        # Every Q K^T is done once either consumer gets here, so this consumer's half of q is free to stage its
+        # output columns: the owner of the last block ran that Q K^T itself and, for the block before, waited for
+        # the other's P (after the other's Q K^T); the other consumer waited for the last block's P. (K >= 1 here:
+        # with no block, nothing would order the producer's q copy before the staging; launch_fwd handles K = 0.)
+        _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, W * HALF, q_all.index(0).slice(W * HALF, HALF, dim=1), D,
+                W == 0)
 
     @gluon.jit
     def _sparse_attn_fwd_gluon(Q, KV, IDX, SINK, OUT, LSE, H, K, qk_scale_log2,
@@ -223,7 +265,8 @@ if _IMPORTED:
         hb = pid % NUM_HB
         t = (pid // NUM_HB).to(gl.int64)
         dtype: gl.constexpr = Q.dtype.element_ty
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H_C, D], gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
+        q_all = gl.allocate_shared_memory(dtype, [1, BLOCK_H_C, D],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
         ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
         p_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N],
@@ -240,11 +283,11 @@ if _IMPORTED:
             mbarrier.init(pready.index(i), count=1)
             mbarrier.init(pfree.index(i), count=2)
         gl.warp_specialize([
-            (_pp_consumer, (IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_smem, ring, p_buf, stats, full, empty,
+            (_pp_consumer, (IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats, full, empty,
                             pready, pfree, gl.constexpr(0), D, BLOCK_N, STAGES)),
-            (_pp_consumer, (IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_smem, ring, p_buf, stats, full, empty,
+            (_pp_consumer, (IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats, full, empty,
                             pready, pfree, gl.constexpr(1), D, BLOCK_N, STAGES)),
-            (_pp_producer, (Q, KV, IDX, H, K, t, hb, q_smem, ring, full, empty, D, BLOCK_N, STAGES))],
+            (_pp_producer, (Q, KV, IDX, H, K, t, hb, q_all.index(0), ring, full, empty, D, BLOCK_N, STAGES))],
             [4, 4], [REGS[0], REGS[1]])
 
     @gluon.jit
