@@ -52,8 +52,8 @@ BLOCK_H = 64
 # producer (setmaxnreg; the first consumer gets the rest of the 64K). H200, T = 32768, H = 64, K = 640 (third
 # session, before the index prefetch and staged stores): REGS (216, 40) 7.32-7.38 ms, (232, 24) 7.70-7.78,
 # (200, 56) 7.45, (184, 72) 10.5 (consumer spills); 32 rows x 4 / 3 stages 9.2 ms. Fourth session (216, 40):
-# 6.81-6.91 ms, (208, 56) / (224, 32) 2% slower. Back-to-back P V / Q K^T (fifth session): (216, 40) 6.59-6.65 ms,
-# (224, 32) 6.58 ms.
+# 6.81-6.91 ms, (208, 56) / (224, 32) 2% slower. Back-to-back P V / Q K^T without spills (fifth session): (216, 40)
+# 6.27-6.38 ms, (224, 32) 6.12-6.32 ms in the same run.
 FWD_CONFIG = dict(BLOCK_N=64, STAGES=2, REGS=(216, 40))
 
 
@@ -197,7 +197,7 @@ if _IMPORTED:
         # other's block b and this consumer's block c = b + 1 together: P V of b and Q K^T of c are issued back to
         # back (asynchronously, no idle tensor cores between them), b's stage is released once its P V is done
         # (waiting for all but the newest product), c's softmax starts once its Q K^T is. (H200, T = 32768,
-        # H = 64, K = 640: 6.58-6.65 ms; P V, then Q K^T, each waited for: 6.64-7.01 ms in the same runs.)
+        # H = 64, K = 640: 6.12-6.38 ms; P V, then Q K^T, each waited for: 6.64-7.01 ms in earlier runs.)
         # mbarrier.arrive is issued by one thread; Triton puts a barrier of the warpgroup before it (an arrive
         # counts as touching all shared memory), so every thread's stores are done when the other side wakes.
         HALF: gl.constexpr = D // 2
@@ -215,16 +215,18 @@ if _IMPORTED:
         for b in range(W - 1, nb - 1, 2):          # b = -1: consumer 0's block 0 has no block before it
             c = b + 1
             c_stage = c % STAGES
-            # q through a block-dependent zero index: with q_smem loop-invariant, the compiler hoisted the per-k-step
-            # descriptors of Q K^T out of the loop and spilled them (up to 205 spill instructions, sm_90 compile).
-            q_smem = q_all.index(b // (nb + 1))
+            # Shared-memory operands through a block-dependent zero index z: with loop-invariant bases the compiler
+            # hoisted the per-k-step wgmma descriptors out of the loop and spilled them (sm_90 compile: up to 205
+            # spill instructions with q alone invariant, 48 with q made variant, 0 with every operand).
+            z = b // (nb + 1)
+            q_smem = q_all.index(z)
             if b >= 0:
                 l_i, m_i, acc = _pp_take_over(b, l_i, acc, stats, full, pready, STAGES, row_layout)
-                acc = warpgroup_mma(p_buf.index(b % 2), ring.index(b % STAGES).slice(W * HALF, HALF, dim=1), acc,
-                                    is_async=True)
+                acc = warpgroup_mma(p_buf.index(b % 2 + z), ring.index(b % STAGES + z).slice(W * HALF, HALF, dim=1),
+                                    acc, is_async=True)
                 mbarrier.wait(full.index(c_stage), (c // STAGES) & 1)
                 fence_async_shared()
-                s = warpgroup_mma(q_smem, ring.index(c_stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma(q_smem, ring.index(c_stage + z).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 acc = warpgroup_mma_wait(1, deps=[acc])
                 mbarrier.arrive(pfree.index(b % 2))
                 mbarrier.arrive(empty.index(b % STAGES))
@@ -232,14 +234,14 @@ if _IMPORTED:
             else:
                 mbarrier.wait(full.index(c_stage), (c // STAGES) & 1)
                 fence_async_shared()
-                s = warpgroup_mma(q_smem, ring.index(c_stage).permute((1, 0)), s_zero, use_acc=False)
+                s = warpgroup_mma(q_smem, ring.index(c_stage + z).permute((1, 0)), s_zero, use_acc=False)
             n = c * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
             s = gl.where((idx >= 0)[None, :], s, float("-inf"))
             alpha, row_sum, m_i = _pp_publish(s, m_i, qk_scale_log2, c, p_buf, stats, pready, pfree)
             l_i = l_i * alpha + row_sum
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            acc = warpgroup_mma(p_buf.index(c % 2), ring.index(c_stage).slice(W * HALF, HALF, dim=1), acc)
+            acc = warpgroup_mma(p_buf.index(c % 2 + z), ring.index(c_stage + z).slice(W * HALF, HALF, dim=1), acc)
             mbarrier.arrive(pfree.index(c % 2))
             mbarrier.arrive(empty.index(c_stage))
         last = nb - 1
