@@ -53,7 +53,7 @@ BLOCK_H = 64
 # session, before the index prefetch and staged stores): REGS (216, 40) 7.32-7.38 ms, (232, 24) 7.70-7.78,
 # (200, 56) 7.45, (184, 72) 10.5 (consumer spills); 32 rows x 4 / 3 stages 9.2 ms. Fourth session (216, 40):
 # 6.81-6.91 ms, (208, 56) / (224, 32) 2% slower. Back-to-back P V / Q K^T without spills (fifth session): (216, 40)
-# 6.27-6.38 ms, (224, 32) 6.12-6.32 ms in the same run.
+# 6.27 / 6.38 ms, (224, 32) 6.32 / 6.12 ms in two alternations of one run: no clear winner, the default stays.
 FWD_CONFIG = dict(BLOCK_N=64, STAGES=2, REGS=(216, 40))
 
 
@@ -197,7 +197,7 @@ if _IMPORTED:
         # other's block b and this consumer's block c = b + 1 together: P V of b and Q K^T of c are issued back to
         # back (asynchronously, no idle tensor cores between them), b's stage is released once its P V is done
         # (waiting for all but the newest product), c's softmax starts once its Q K^T is. (H200, T = 32768,
-        # H = 64, K = 640: 6.12-6.38 ms; P V, then Q K^T, each waited for: 6.64-7.01 ms in earlier runs.)
+        # H = 64, K = 640: 6.27-6.38 ms; P V, then Q K^T, each waited for: 6.37-6.61 ms in the same run.)
         # mbarrier.arrive is issued by one thread; Triton puts a barrier of the warpgroup before it (an arrive
         # counts as touching all shared memory), so every thread's stores are done when the other side wakes.
         HALF: gl.constexpr = D // 2
@@ -218,7 +218,7 @@ if _IMPORTED:
             # Shared-memory operands through a block-dependent zero index z: with loop-invariant bases the compiler
             # hoisted the per-k-step wgmma descriptors out of the loop and spilled them (sm_90 compile: up to 205
             # spill instructions with q alone invariant, 48 with q made variant, 0 with every operand).
-            z = b // (nb + 1)
+            z = b // (nb + 1)           # 0: b >= -1 and Triton's integer division truncates toward zero
             q_smem = q_all.index(z)
             if b >= 0:
                 l_i, m_i, acc = _pp_take_over(b, l_i, acc, stats, full, pready, STAGES, row_layout)
@@ -253,7 +253,8 @@ if _IMPORTED:
         # Every Q K^T is done once either consumer gets here, so this consumer's half of q is free to stage its
         # output columns: the owner of the last block ran that Q K^T itself and, for the block before, waited for
         # the other's P (after the other's Q K^T); the other consumer waited for the last block's P. (K >= 1 here:
-        # with no block, nothing would order the producer's q copy before the staging; launch_fwd handles K = 0.)
+        # with no block, both consumers would take "block -1" over and wait on barriers out of range; launch_fwd
+        # handles K = 0.)
         _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, W * HALF, q_all.index(0).slice(W * HALF, HALF, dim=1), D,
                 W == 0)
 
@@ -363,7 +364,7 @@ def launch_fwd(q, kv, idx, sink, out, lse, scale, config=None):
     :func:`.triton._sparse_attn_fwd`, allocates them and handles the empty cases). ``config``: FWD_CONFIG keys."""
     cfg = _checked_config(config, "Gluon forward config")
     T, H, D = q.shape
-    if idx.shape[1] == 0:       # every row empty; in the kernel the consumers would stage out in q_smem unsynced
+    if idx.shape[1] == 0:       # every row empty (the kernel's consumers need at least one block)
         out.zero_()
         lse.fill_(float("-inf"))
         return
