@@ -155,8 +155,8 @@ def _gluon(n, stages, **extra):
 
 # The Gluon (SM90) forward: BLOCK_N gathered rows per block, a ring of STAGES shared-memory tiles, REGS registers
 # per thread of the worker consumer and the producer.
-SWEEP_GLUON = [_gluon(64, 2), _gluon(64, 2, REGS=(232, 24)), _gluon(64, 2, REGS=(200, 56)), _gluon(64, 2, REGS=(184, 72)),
-               _gluon(32, 4), _gluon(32, 3)]
+SWEEP_GLUON = [_gluon(64, 2), _gluon(64, 2, REGS=(232, 24)), _gluon(64, 2, REGS=(200, 56)),
+               _gluon(64, 2, REGS=(184, 72)), _gluon(32, 4), _gluon(32, 3)]
 SWEEP_FWD = {   # per head count; BLOCK_DK == BLOCK_DV == 512: one kv tile per step for scores and values
     64: [_fwd(32, 128, 512, 8, 2),                                   # split-score layout (first version)
          _fwd(64, 512, 512, 8, 2), _fwd(64, 512, 512, 8, 2, WARP_SPEC=True), _fwd(32, 512, 512, 8, 3)] + SWEEP_GLUON,

@@ -236,10 +236,10 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
     """One row when each head's full denominator L_h is given (the main attention's logaddexp(lse, sink) when S_t
     is exactly its compressed candidates): one pass forming the student scores I(j) with their online LSE and the
     teacher mass m(j) = sum_h exp(s_h(j) - L_h) with Z = sum_j m(j), storing m(j) to MASS and log2(e) I(j) to G
-    (scratch rows unless SAVE_G), then a GEMM-free loop over the stored values with the LSE and Z known: KL = sum_j T (ln T - ln Q),
-    T = m / Zf, Zf = max(Z, FLT_MIN), term by term as in the two-pass form (the one-pass identity
-    (sum m ln m - sum m ln Q) / Zf - ln Zf cancels terms ~20x larger than KL in fp32), and with SAVE_G
-    dKL/dI = Q (Z/Zf) - T in place of I. MASS_GIVEN: m(j) was formed beforehand (the Gluon teacher-mass kernel).
+    (scratch rows unless SAVE_G), then a GEMM-free loop over the stored values with the LSE and Z known:
+    KL = sum_j T (ln T - ln Q), T = m / Zf, Zf = max(Z, FLT_MIN), term by term as in the two-pass form (the
+    one-pass identity (sum m ln m - sum m ln Q) / Zf - ln Zf cancels terms ~20x larger than KL in fp32), and with
+    SAVE_G dKL/dI = Q (Z/Zf) - T in place of I. MASS_GIVEN: m(j) was formed beforehand (the Gluon teacher-mass kernel).
     Returns (kl, log2 of the student LSE, Zf, Z/Zf)."""
     n_end = tl.load(NEND + t)
     offs_h = tl.arange(0, BLOCK_HT)
