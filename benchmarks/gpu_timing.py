@@ -24,13 +24,17 @@ def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
 
 
 def paired_ms(fn_a, fn_b, rounds: int = 7) -> tuple[float, float, list[float]]:
-    """Times two functions in alternating rounds (a, b, a, b, ...; each round a :func:`time_ms`), so that clock and
-    temperature drift over the run reach both alike. Returns (median ms of a, median ms of b, the per-round ratios
-    b / a)."""
+    """Times two functions in alternating rounds (each a :func:`time_ms` of both, a first in even rounds, b first in
+    odd ones), so that clock and temperature drift over the run reach both alike. Returns (median ms of a, median ms
+    of b, the per-round ratios b / a)."""
     a_ms, b_ms = [], []
-    for _ in range(rounds):
-        a_ms.append(time_ms(fn_a))
-        b_ms.append(time_ms(fn_b))
+    for r in range(rounds):
+        if r % 2:
+            b_ms.append(time_ms(fn_b))
+            a_ms.append(time_ms(fn_a))
+        else:
+            a_ms.append(time_ms(fn_a))
+            b_ms.append(time_ms(fn_b))
     return statistics.median(a_ms), statistics.median(b_ms), [b / a for a, b in zip(a_ms, b_ms)]
 
 

@@ -153,12 +153,11 @@ if _IMPORTED:
         async_copy.wait_group(0)
 
     @gluon.jit
-    def _pp_publish(s, m_i, qk_scale_log2, b, p_buf, stats, pready, pfree):
-        # Owner's softmax of block b (scores s, -inf at empty slots) from the running max m_i: P (bf16) and the row
-        # statistics (rescale factor, row sum, new max) go to shared memory for both consumers (pready[b % 2]) once
-        # both have released P of block b - 2 (pfree). Returns the statistics.
+    def _pp_publish(s, m_i, b, p_buf, stats, pready, pfree):
+        # Owner's softmax of block b (scaled scores s, log2 units, -inf at empty slots) from the running max m_i:
+        # P (bf16) and the row statistics (rescale factor, row sum, new max) go to shared memory for both consumers
+        # (pready[b % 2]) once both have released P of block b - 2 (pfree). Returns the statistics.
         half = b % 2
-        s = s * qk_scale_log2
         m_new = gl.maximum(m_i, gl.max(s, 1))
         # An all-empty block keeps m at -inf: shift by 0 instead so that no -inf - -inf NaN appears.
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -218,7 +217,7 @@ if _IMPORTED:
             # Shared-memory operands through a block-dependent zero index z: with loop-invariant bases the compiler
             # hoisted the per-k-step wgmma descriptors out of the loop and spilled them (sm_90 compile: up to 205
             # spill instructions with q alone invariant, 48 with q made variant, 0 with every operand).
-            z = b // (nb + 1)           # 0: b >= -1 and Triton's integer division truncates toward zero
+            z = (b + 1) // (nb + 1)     # 0 under truncating and flooring division alike
             q_smem = q_all.index(z)
             if b >= 0:
                 l_i, m_i, acc = _pp_take_over(b, l_i, acc, stats, full, pready, STAGES, row_layout)
@@ -237,8 +236,8 @@ if _IMPORTED:
                 s = warpgroup_mma(q_smem, ring.index(c_stage + z).permute((1, 0)), s_zero, use_acc=False)
             n = c * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
-            s = gl.where((idx >= 0)[None, :], s, float("-inf"))
-            alpha, row_sum, m_i = _pp_publish(s, m_i, qk_scale_log2, c, p_buf, stats, pready, pfree)
+            s = gl.where((idx >= 0)[None, :], s * qk_scale_log2, float("-inf"))
+            alpha, row_sum, m_i = _pp_publish(s, m_i, c, p_buf, stats, pready, pfree)
             l_i = l_i * alpha + row_sum
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             acc = warpgroup_mma(p_buf.index(c % 2 + z), ring.index(c_stage + z).slice(W * HALF, HALF, dim=1), acc)
