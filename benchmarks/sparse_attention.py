@@ -126,7 +126,7 @@ def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: st
         row("flashmla", "fwd", fm_ms, fwd_flop, peak_mib(fm_fwd))
         log(f"  (FlashMLA vs our forward: max |diff| / max |out| = {err:.2e}; {len(ratios)} alternating rounds,"
             f" per-round x FlashMLA {min(ratios):.3f} .. {max(ratios):.3f})")
-    impl = {"fwd": f"ours ({sat.forward_kernel(q, fwd_cfg)})", "bwd": "ours (triton)", "fwd+bwd": "ours"}
+    impl = {"fwd": f"ours ({sat.forward_kernel(q, fwd_cfg)})", "bwd": f"ours ({sat.backward_kernels(q, bwd_cfg)})", "fwd+bwd": "ours"}
     for op, fn, flop in [("fwd", fwd, fwd_flop), ("bwd", bwd, 2.5 * fwd_flop), ("fwd+bwd", fwd_bwd, 3.5 * fwd_flop)]:
         ms = ours_ms if op == "fwd" and fm_ms is not None else time_ms(fn)
         row(impl[op], op, ms, flop, peak_mib(fn), fm_ms if op == "fwd" else None)
@@ -175,7 +175,12 @@ SWEEP_BWD = [dict(BLOCK_N=n, BLOCK_DK=dk, BLOCK_DV=dv, num_warps=w, num_stages=s
                                      (16, 64, 128, 4, 2), (32, 64, 128, 8, 2), (32, 128, 256, 8, 2)]]
 SWEEP_BWD += [
     dict(BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=128, num_warps=4, num_stages=2, RELAXED=True),   # sliced, relaxed atomics
-    _bwd("split", 32, 8, 2),                                        # the new default (BWD_CONFIGS[512])
+    _bwd("split3", 64, 8, 1, DELTA=dict(num_warps=4), DKV=dict(KERNEL="auto", BLOCK_N=32, num_warps=4)),  # default
+    _bwd("split3", 64, 8, 1, DELTA=dict(num_warps=4), DKV=dict(BLOCK_N=32, num_warps=4)),   # the same, Triton dKV
+    _bwd("split3", 64, 8, 1, DELTA=dict(num_warps=4), DKV=dict(KERNEL="gluon", GLUON=dict(BLOCK_N=16))),
+    _bwd("fused", 32, 8, 2, DELTA=dict(BLOCK_N=64, num_warps=4, num_stages=1)),
+    _bwd("split", 64, 8, 1, DKV=dict(BLOCK_N=32, num_warps=4)),    # "split" at its best (per-pass sweep)
+    _bwd("split", 32, 8, 2),
     _bwd("split", 32, 8, 2, RELAXED=False),                         # what relaxed atomics buy
     _bwd("split", 64, 8, 1),
     _bwd("split", 64, 8, 1, DKV=dict(BLOCK_N=32, num_stages=2)),
@@ -193,7 +198,8 @@ SWEEP_BWD += [
     _bwd("fused2", 16, 4, 2),
     _bwd("fused2", 32, 8, 2, DKV_BLOCK_D=128),
     _bwd("fused", 32, 8, 2, DKV_BLOCK_D=128),
-    dict(_bwd("split", 32, 8, 2), _deterministic=True),             # default layout, atomic-free
+    dict(_bwd("split3", 64, 8, 1, DELTA=dict(num_warps=4), DKV=dict(BLOCK_N=32, num_warps=4)), _deterministic=True),
+    dict(_bwd("split", 32, 8, 2), _deterministic=True),
     dict(_bwd("fused2", 32, 8, 2), _deterministic=True),
 ]
 

@@ -1,5 +1,5 @@
-"""The Gluon (SM90) sparse-attention forward against the float64 reference, on the edge cases of the contract; its
-refusals (on any machine).
+"""The Gluon (SM90) sparse-attention forward and backward dKV pass against the float64 reference, on the edge cases
+of the contract; their refusals and dispatch (on any machine).
 
 Runs only where the kernel applies (an SM90 GPU with Triton's Gluon); the V4-shape accuracy test of
 test_sparse_attention_gpu.py runs it too. Bound: error <= 2x the reference op's own error in the same dtype (both
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from dsv4attn.ops.index_sets import Explicit
-from dsv4attn.ops.sparse_attention import gluon_hopper
+from dsv4attn.ops.sparse_attention import gluon_hopper, gluon_hopper_bwd
 from dsv4attn.ops.sparse_attention import triton as sat
-from dsv4attn.ops.sparse_attention.reference import sparse_attention_reference
+from dsv4attn.ops.sparse_attention.reference import (reference_backward, reference_forward,
+                                                     sparse_attention_reference)
 from triton.runtime.errors import PTXASError
 
 ON_SM90 = torch.cuda.is_available() and gluon_hopper.available(
@@ -193,3 +194,132 @@ def test_teacher_mass_refuses_odd_rings():
     for stages in (1, 3):
         with pytest.raises(ValueError, match=f"STAGES must be even and >= 2, got {stages}"):
             gluon_hopper.teacher_mass(q, None, None, None, 0.1, {"STAGES": stages})
+
+
+def _dkv_config(kernel, gluon=None):
+    """The D = 512 default backward config with its dKV pass's KERNEL (and Gluon tiles) replaced."""
+    base = sat.BWD_CONFIGS[512]
+    return dict(base, DKV=dict(base["DKV"], KERNEL=kernel, GLUON=gluon))
+
+
+@sm90
+@pytest.mark.parametrize("T,H,K,N,dtype,sink_kind,config", [
+    (64, 64, 640, 300, torch.bfloat16, "random", None),
+    (48, 128, 600, 1000, torch.bfloat16, "random", None),     # two head blocks; K not a multiple of the tile
+    (40, 64, 100, 50, torch.float16, "-inf", None),
+    (20, 64, 7, 5, torch.bfloat16, "large", None),            # fewer slots than one tile
+    (17, 64, 96, 1, torch.float16, "random", None),           # one kv row: every valid slot adds to it
+    (30, 64, 200, 400, torch.bfloat16, "random", dict(BLOCK_N=16)),
+    (26, 64, 130, 90, torch.bfloat16, "random", dict(BLOCK_N=16, STAGES=4)),
+    (9, 64, 0, 10, torch.bfloat16, "random", None),           # no slots at all
+])
+def test_gluon_dkv_matches_float64_reference(T, H, K, N, dtype, sink_kind, config):
+    """The backward with the Gluon dKV pass (Delta and dq in Triton): dq, dkv and d_sink in the public dtypes within
+    3x the reference op's own error in the same dtype, both against float64, + 1e-6 of the largest magnitude."""
+    D = 512
+    gen = torch.Generator().manual_seed(T * 11 + K)
+    q, kv, idx, sink = inputs(T, H, D, K, N, dtype, gen, sink_kind)
+    grad_out = torch.randn(T, H, D, generator=gen).to("cuda", dtype)
+    scale = D ** -0.5
+    out, lse = sat._sparse_attn_fwd(q, kv, idx, sink, scale)
+    dq, dkv, d_sink = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, _dkv_config("gluon", config))
+    got = (dq, dkv.to(dtype), d_sink)
+    low_lse = reference_forward(q, kv, Explicit(idx), sink, scale)[1]
+    low = reference_backward(grad_out, q, kv, Explicit(idx), sink, low_lse, scale)
+    q64, kv64, sink64 = q.double(), kv.double(), sink.double()
+    lse64 = reference_forward(q64, kv64, Explicit(idx), sink64, scale)[1]
+    exact = reference_backward(grad_out.double(), q64, kv64, Explicit(idx), sink64, lse64, scale)
+    for name, k, r, e in zip(("dq", "dkv", "d_sink"), got, low, exact):
+        k, r, e = k.double(), r.double(), e.double()
+        assert torch.isfinite(k).all(), f"{name}: not finite"
+        err_k, err_r = (k - e).abs().max().item(), (r - e).abs().max().item()
+        assert err_k <= 3.0 * err_r + 1e-6 * e.abs().max().item(), \
+            f"{name}: kernel error {err_k:.3e}, reference {dtype} error {err_r:.3e}"
+
+
+def _stub_bwd(monkeypatch, gluon_error=None):
+    """Backward dispatch harness: the Gluon dKV pass looks available; its launch is recorded as "gluon" (or raises
+    ``gluon_error``), Triton launches are recorded by their parts. Returns the record and _rows_bwd's arguments up
+    to the config."""
+    launched = []
+
+    def gluon(*args, **kwargs):
+        if gluon_error is not None:
+            raise gluon_error
+        launched.append("gluon")
+
+    def triton_launch(kernel, grid_of, q, c, args):
+        launched.append(("DELTA" if c["DELTA_PASS"] else "") + ("DQ" if c["DO_DQ"] else "")
+                        + ("DKV" if c["DO_DKV"] else "") + ("-det" if c["DETERMINISTIC"] else ""))
+
+    monkeypatch.setattr(sat, "GLUON_BWD_FAILED", {})
+    monkeypatch.setattr(sat, "FORWARD_KERNEL", "auto")
+    monkeypatch.setattr(gluon_hopper_bwd, "available", lambda q: True)
+    monkeypatch.setattr(gluon_hopper_bwd, "launch_dkv", gluon)
+    monkeypatch.setattr(sat, "_launch", triton_launch)
+    monkeypatch.setattr(sat, "add_rows_by_key", lambda *args: None)
+    T, H, D, K = 2, 64, 512, 4
+    q, kv = torch.zeros(T, H, D, dtype=torch.bfloat16), torch.zeros(3, D, dtype=torch.bfloat16)
+    f32 = torch.zeros(T, H)
+    return launched, (q, kv, torch.zeros(T, K, dtype=torch.int32), q, f32, f32, q.clone(), torch.zeros(3, D), 0.1)
+
+
+def _run(args, config, deterministic=False):
+    config = dict(config)
+    sat._rows_bwd(*args, config, deterministic, sat.BWD_PASSES[config.pop("LAYOUT")])
+
+
+def test_default_backward_takes_the_gluon_dkv_pass_where_it_applies(monkeypatch):
+    """D = 512 default: Delta and dq in Triton, dKV by Gluon; the deterministic mode, DSV4ATTN_FORWARD_KERNEL=triton
+    and machines without the kernel run the Triton dKV pass after the same Delta and dq launches."""
+    launched, args = _stub_bwd(monkeypatch)
+    _run(args, sat.BWD_CONFIGS[512])
+    assert launched == ["DELTA", "DQ", "gluon"]
+    launched.clear()
+    _run(args, sat.BWD_CONFIGS[512], deterministic=True)
+    assert launched == ["DELTA", "DQ", "DKV-det"]
+    launched.clear()
+    monkeypatch.setattr(sat, "FORWARD_KERNEL", "triton")
+    _run(args, sat.BWD_CONFIGS[512])
+    monkeypatch.setattr(sat, "FORWARD_KERNEL", "auto")
+    monkeypatch.setattr(gluon_hopper_bwd, "available", lambda q: False)
+    _run(args, sat.BWD_CONFIGS[512])
+    assert launched == ["DELTA", "DQ", "DKV"] * 2
+
+
+def test_gluon_dkv_build_failure_falls_back_to_the_triton_pass_once(monkeypatch):
+    launched, args = _stub_bwd(monkeypatch, PTXASError("this Triton cannot build the Gluon kernel"))
+    with pytest.warns(RuntimeWarning, match="Gluon dKV kernel could not be built for D=512"):
+        _run(args, sat.BWD_CONFIGS[512])
+    assert launched == ["DELTA", "DQ", "DKV"] and (512, torch.bfloat16) in sat.GLUON_BWD_FAILED
+    _run(args, sat.BWD_CONFIGS[512])                                      # not tried again, no second warning
+    assert launched == ["DELTA", "DQ", "DKV"] * 2
+    with pytest.raises(PTXASError, match="cannot build"):                 # an explicit request raises
+        _run(args, _dkv_config("gluon"))
+
+
+def test_gluon_dkv_does_not_hide_errors_that_are_not_build_failures(monkeypatch):
+    launched, args = _stub_bwd(monkeypatch, ValueError("a bug, not a build failure"))
+    with pytest.raises(ValueError, match="a bug"):
+        _run(args, sat.BWD_CONFIGS[512])
+    assert launched == ["DELTA", "DQ"] and sat.GLUON_BWD_FAILED == {}
+
+
+def test_gluon_dkv_refusals(monkeypatch):
+    _, args = _stub_bwd(monkeypatch, AssertionError("must not run"))
+    with pytest.raises(ValueError, match="no deterministic mode"):
+        _run(args, _dkv_config("gluon"), deterministic=True)
+    with pytest.raises(ValueError, match="for the dKV pass only.*got 'gluon'"):
+        _run(args, dict(_dkv_config("gluon"), DELTA=dict(KERNEL="gluon")))
+    with pytest.raises(ValueError, match="must be 'triton'.*got 'cuda'"):
+        _run(args, _dkv_config("cuda"))
+    monkeypatch.setattr(gluon_hopper_bwd, "available", lambda q: False)
+    with pytest.raises(ValueError, match="needs Gluon, an SM90 GPU"):
+        _run(args, _dkv_config("gluon"))
+
+
+def test_gluon_dkv_config_keys_are_checked():
+    q = torch.zeros(2, 64, 512, dtype=torch.bfloat16)
+    for bad, match in ((dict(BLOCK_DV=64), r"unknown keys \['BLOCK_DV'\]"), (dict(BLOCK_N=64), "BLOCK_N must be 16 or 32")):
+        with pytest.raises(ValueError, match=match):
+            gluon_hopper_bwd.launch_dkv(q, None, None, None, None, None, None, 0.1, bad)

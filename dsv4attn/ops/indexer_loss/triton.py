@@ -56,8 +56,6 @@ interpreter (``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 import triton
 import triton.language as tl
@@ -615,12 +613,8 @@ def _gluon_teacher_mass(operands, idx: torch.Tensor, full_lse: torch.Tensor, sca
     try:
         return gluon_hopper.teacher_mass(qm, ckv, idx, full_lse, scale)
     except Exception as exc:
-        if not sparse_triton._gluon_build_error(exc):
-            raise
-        GLUON_MASS_FAILED[key] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(f"dsv4attn: the Gluon teacher-mass kernel could not be built for D={D} {qm.dtype} "
-                      f"({type(exc).__name__}: {str(exc)[:500]}); the Triton KL kernel forms the mass",
-                      RuntimeWarning, stacklevel=2)
+        sparse_triton.note_gluon_build_failure(exc, GLUON_MASS_FAILED, D, qm.dtype, "teacher-mass kernel",
+                                               "the Triton KL kernel forms the mass")
         return None
 
 

@@ -27,7 +27,10 @@ atomic traffic is the same in every layout, T * K * D fp32 adds per head block).
   and dO loaded once, each gathered kv tile loaded once per loop and used for s, dp, dq and dKV; Delta needs a
   full loop of its own before dz exists, so a row costs 7 GEMM-tiles per kv tile (``fused``: Delta launch, then
   dq + dKV; ``fused2``: both loops in one program) or 9 (``split``: Delta + dq, then a dKV-only launch, so no
-  program holds the 64 x 512 fp32 dq accumulator and a dKV tile at once; ``split3``: three launches).
+  program holds the 64 x 512 fp32 dq accumulator and a dKV tile at once; ``split3``: three launches, the D = 512
+  default).
+- on SM90 the dKV launch is the warp-specialised Gluon kernel of :mod:`.gluon_hopper_bwd` by default (a dKV pass
+  override's ``KERNEL``, see BWD_CONFIGS): 25 ms where the Triton pass takes 39 ms at T = 32768, H = 64, K = 640.
 
 Deterministic backward (``deterministic=True``): the launches that produce dKV store each (row, slot)
 contribution to a fp32 buffer instead (no atomics), over chunks of query rows that bound the buffer to
@@ -52,7 +55,7 @@ from ..triton_common import dot, dot_mode, round_to
 from ..index_sets import IndexSet
 from .reference import sparse_attention_reference
 from .segment_sum import add_rows_by_key
-from . import gluon_hopper
+from . import gluon_hopper, gluon_hopper_bwd
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -76,11 +79,19 @@ BWD_CONFIGS = {
     64: dict(LAYOUT="fused2", BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
     128: dict(LAYOUT="fused2", BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
     256: dict(LAYOUT="split", BLOCK_N=32, num_warps=8, num_stages=2, RELAXED=True),
-    # H200, T = 32768, H = 64, K = 640 (2026-11-30): 73.2 ms (94 TFLOP/s); the same with BLOCK_N 32 and 2 stages
-    # 100.2 ms; with acq_rel atomics 146 ms; "fused" (BLOCK_N 32) 73.2 ms; "fused2" 92 ms; the first (sliced)
-    # kernel 157 ms, 110.6 ms with relaxed atomics; deterministic "split" 147 ms.
-    512: dict(LAYOUT="split", BLOCK_N=64, num_warps=8, num_stages=1, RELAXED=True),
+    # H200, T = 32768, H = 64, K = 640 (2026-11-30, sixth session), per pass: Delta 8.4 ms (BLOCK_N 64, 4 warps),
+    # dq 15.5 ms (BLOCK_N 64, 8 warps), dKV 25.3 ms by the Gluon kernel on SM90 (KERNEL "auto", below), 39.3 ms by
+    # the Triton pass (BLOCK_N 32, 4 warps; 42.1-57.0 ms for 23 other tiles; the same with plain stores in place of
+    # its atomics, so the GEMMs, not the atomics, set its time). Other layouts at their best: "split" (Delta + dq
+    # 31.5, dKV) and "fused" (Delta, dq + dKV 60.5 ms). Earlier: acq_rel atomics 146 ms, "fused2" 92 ms, the first
+    # (sliced) kernel 157 ms. Both modes share the Delta and dq launches, so dq and d_sink are the same bits in both.
+    512: dict(LAYOUT="split3", BLOCK_N=64, num_warps=8, num_stages=1, RELAXED=True, DELTA=dict(num_warps=4),
+              DKV=dict(KERNEL="auto", BLOCK_N=32, num_warps=4, num_stages=1)),
 }
+# A dKV pass override may name its KERNEL: "triton" (the default), "gluon" (the SM90 kernel of
+# :mod:`.gluon_hopper_bwd`, tiles in the override's GLUON dict, ``gluon_hopper_bwd.DKV_CONFIG`` keys) or "auto" (Gluon
+# where it applies, the mode is not deterministic and DSV4ATTN_FORWARD_KERNEL is not "triton"; the Triton pass with
+# the override's tiles elsewhere, or if this Triton cannot build the Gluon kernel).
 # The first version, kept selectable (``config=SLICED_BWD_CONFIGS[D]``) so that both can be timed in one run.
 SLICED_BWD_CONFIGS = {
     64: dict(LAYOUT="sliced", BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=64, num_warps=4, num_stages=1),
@@ -104,6 +115,8 @@ BWD_PASSES = {
 FORWARD_KERNEL = os.environ.get("DSV4ATTN_FORWARD_KERNEL", "auto")
 # (D, dtype) -> why the Gluon forward could not be built for it in this process ("auto" then uses Triton for it).
 GLUON_FAILED: dict = {}
+# The same for the Gluon dKV pass of the backward (the Triton dKV pass then runs).
+GLUON_BWD_FAILED: dict = {}
 SUPPORTED_D = tuple(FWD_CONFIGS)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # fp32 elements of the deterministic backward's per-(row, slot) dKV buffer (512 MiB): T = 4096, K = 640, D = 512
@@ -469,6 +482,18 @@ def _gluon_build_error(exc: Exception) -> bool:
     return isinstance(exc, TritonError) or (isinstance(exc, RuntimeError) and "PassManager" in str(exc))
 
 
+def note_gluon_build_failure(exc: Exception, failed: dict, D: int, dtype: torch.dtype, kernel: str,
+                             instead: str) -> None:
+    """Called from an ``except`` around a Gluon launch: re-raises ``exc`` unless it is a build failure; otherwise
+    records it in ``failed[(D, dtype)]`` (so that "auto" does not try again) and warns once. Gluon is experimental
+    and changes between Triton releases: a Triton that cannot build a kernel gets the Triton path instead."""
+    if not _gluon_build_error(exc):
+        raise exc
+    failed[(D, dtype)] = f"{type(exc).__name__}: {exc}"
+    warnings.warn(f"dsv4attn: the Gluon {kernel} could not be built for D={D} {dtype} ({type(exc).__name__}: "
+                  f"{str(exc)[:500]}); {instead}", RuntimeWarning, stacklevel=3)
+
+
 def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
     """q (T, H, D), kv (N, D), idx (T, K) int32, sink (H,) fp32 -> out (T, H, D) q.dtype, lse (T, H) fp32."""
     T, H, D = q.shape
@@ -486,15 +511,9 @@ def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
         try:
             gluon_hopper.launch_fwd(q, kv, idx, sink, out, lse, scale, rest)
             return out, lse
-        except Exception as exc:
-            if not _gluon_build_error(exc):
-                raise
-            # Gluon is experimental and changes between Triton releases: if this Triton cannot build the kernel,
-            # say so once per (D, dtype) and use the Triton kernel for it. An explicit KERNEL="gluon" raises.
-            GLUON_FAILED[(D, q.dtype)] = f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"dsv4attn: the Gluon sparse-attention forward could not be built for D={D} {q.dtype} "
-                          f"({type(exc).__name__}: {str(exc)[:500]}); using the Triton kernel",
-                          RuntimeWarning, stacklevel=2)
+        except Exception as exc:       # an explicit KERNEL="gluon" (above) raises instead
+            note_gluon_build_failure(exc, GLUON_FAILED, D, q.dtype, "sparse-attention forward",
+                                     "using the Triton kernel")
             rest = {}
     _launch(_sparse_attn_fwd_kernel, lambda grid, meta: grid, q, rest or FWD_CONFIGS[D],
             (q, kv, idx, sink, out, lse, H, idx.shape[1], scale * LOG2E))
@@ -526,6 +545,36 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
     p_sink = torch.where(denom == float("-inf"), 0.0, torch.exp(sink[None, :] - denom))
     d_sink = -(p_sink * delta).sum(0)
     return dq, dkv, d_sink
+
+
+def _use_gluon_dkv(kernel: str, q: torch.Tensor, deterministic: bool) -> bool:
+    """Whether a dKV pass with this KERNEL runs the Gluon kernel (see BWD_CONFIGS); an impossible "gluon" raises."""
+    if kernel == "gluon" and (deterministic or not gluon_hopper_bwd.available(q)):
+        raise ValueError("backward config: the Gluon dKV pass (KERNEL='gluon') has no deterministic mode and "
+                         "needs Gluon, an SM90 GPU, bf16/fp16 q, H % 64 == 0 and D = 512; got q "
+                         f"{tuple(q.shape)} {q.dtype} on {q.device}, deterministic={deterministic}")
+    return kernel == "gluon" or (kernel == "auto" and not deterministic and FORWARD_KERNEL != "triton"
+                                 and gluon_hopper_bwd.available(q) and (q.shape[2], q.dtype) not in GLUON_BWD_FAILED)
+
+
+def backward_kernels(q: torch.Tensor, config: dict | None = None, deterministic: bool = False) -> str:
+    """What runs the backward for ``q`` (for tables): "triton", or "triton + gluon dKV"."""
+    config = config or BWD_CONFIGS[q.shape[2]]
+    dkv = config.get("DKV") if isinstance(config.get("DKV"), dict) else {}
+    return "triton + gluon dKV" if _use_gluon_dkv(dkv.get("KERNEL", "triton"), q, deterministic) else "triton"
+
+
+def _gluon_dkv(q, kv, idx, grad_out, denom2, delta, dkv, scale, cfg: dict, explicit: bool) -> bool:
+    """The dKV pass by the Gluon kernel; False if this Triton cannot build it (warned once per D and dtype; an
+    ``explicit`` request raises instead)."""
+    try:
+        gluon_hopper_bwd.launch_dkv(q, grad_out, kv, idx, denom2, delta, dkv, scale, cfg)
+        return True
+    except Exception as exc:
+        if explicit:
+            raise
+        note_gluon_build_failure(exc, GLUON_BWD_FAILED, q.shape[2], q.dtype, "dKV kernel", "using the Triton dKV pass")
+        return False
 
 
 def _deterministic_rows(T: int, num_hb: int, K: int, D: int) -> int:
@@ -568,6 +617,13 @@ def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deter
     for name in passes:
         parts = set(name.split("+"))
         cfg = dict(config, **overrides.get(name, {}))
+        kernel, gluon_cfg = cfg.pop("KERNEL", "triton"), cfg.pop("GLUON", None)
+        if kernel not in ("auto", "gluon", "triton") or (kernel != "triton" and parts != {"DKV"}):
+            raise ValueError(f"backward config: KERNEL of pass {name!r} must be 'triton' ('auto' and 'gluon' are "
+                             f"for the dKV pass only), got {kernel!r}")
+        if _use_gluon_dkv(kernel, q, deterministic):
+            if _gluon_dkv(q, kv_read, idx, grad_out, denom2, delta, dkv, scale, gluon_cfg, kernel == "gluon"):
+                continue
         cfg.update(DELTA_PASS="DELTA" in parts, DO_DQ="DQ" in parts, DO_DKV="DKV" in parts,
                    RELAXED=bool(cfg.get("RELAXED", False)), DKV_BLOCK_D=min(D, cfg.get("DKV_BLOCK_D", D)))
         for key in ("BLOCK_DK", "BLOCK_DV"):                         # sliced-layout keys: no meaning here
