@@ -320,6 +320,7 @@ def test_gluon_dkv_refusals(monkeypatch):
 
 def test_gluon_dkv_config_keys_are_checked():
     q = torch.zeros(2, 64, 512, dtype=torch.bfloat16)
-    for bad, match in ((dict(BLOCK_DV=64), r"unknown keys \['BLOCK_DV'\]"), (dict(BLOCK_N=64), "BLOCK_N must be 16 or 32")):
+    for bad, match in ((dict(BLOCK_DV=64), r"unknown keys \['BLOCK_DV'\]"), (dict(BLOCK_N=64), "BLOCK_N must be 16 or 32"),
+                       (dict(STAGES=3), "STAGES must be even and >= 2, got 3")):
         with pytest.raises(ValueError, match=match):
             gluon_hopper_bwd.launch_dkv(q, None, None, None, None, None, None, 0.1, bad)

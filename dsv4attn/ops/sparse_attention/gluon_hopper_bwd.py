@@ -15,13 +15,10 @@ Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_
 
 - producer: q and dO of the head block, then the kv rows of every BLOCK_N slots into a ring (the forward's
   producer, :func:`.gluon_hopper._ring_gather`);
-- consumer 0: s = Q K^T (wgmma, M = 64 heads), releases the ring stage, forms p (fp32, zero at empty slots) and
-  publishes it (fp32 for the other consumer, bf16 as a GEMM operand) on ``pready``;
-- consumer 1: dp = dO K^T, releases the stage, waits for p, forms ``scale * dz`` and publishes it (bf16) on
-  ``dzready``;
-- then each consumer W forms its half of the columns of the transposed tile, dKV^T[W D/2 : (W+1) D/2, :] =
-  q^T dz + dO^T p (M = D/2 columns, N = BLOCK_N slots, K = 64 heads: a 64-register accumulator at BLOCK_N 32),
-  frees the tile's buffers (``tfree``) and adds it to dKV.
+- consumer W (W = 0, 1) takes the tiles b = W, W + 2, ... on its own: s = Q K^T and dp = dO K^T (wgmma, M = 64
+  heads), releases the ring stage, forms p (fp32, zero at empty slots) and ``scale * dz`` in registers, stores them
+  (bf16/fp16) to its shared-memory buffers and forms the tile's dKV^T = q^T dz + dO^T p (M = D columns,
+  N = BLOCK_N slots, K = 64 heads), which it adds to dKV.
 
 Gluon kernels run only on the GPU: the GPU tests compare the backward with the float64 reference.
 """
@@ -35,10 +32,12 @@ from .gluon_hopper import BLOCK_H, LOG2E
 if gluon_hopper._IMPORTED:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
 
-# BLOCK_N gathered rows per tile, STAGES ring depth (shared memory at D = 512: q + dO 128 KiB, ring 64 KiB, p / dz
-# buffers 32 KiB), REGS registers per thread of the worker consumer and of the producer.
+# BLOCK_N gathered rows per tile, STAGES ring depth (even; shared memory at D = 512: q + dO 128 KiB, ring 64 KiB,
+# p / dz buffers 16 KiB), REGS registers per thread of the worker consumer and of the producer. H200, T = 32768,
+# H = 64, K = 640: 22.7 ms; REGS (232, 24) 22.7; 16-row tiles 26.7.
 DKV_CONFIG = dict(BLOCK_N=32, STAGES=2, REGS=(216, 40))
 
 
@@ -59,28 +58,26 @@ if gluon_hopper._IMPORTED:
         gluon_hopper._ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, STAGES)
 
     @gluon.jit
-    def _dkv_consumer(IDX, DKV, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p32, p16, dz16,
-                      full, empty, pready, dzready, tfree, W: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr):
-        # Consumer W of every tile b (module docstring). Tile buffers alternate by b % 2; tfree[b % 2] (count 2)
-        # says both consumers are done with tile b - 2's p / dz, which consumer 0 waits for before publishing
-        # tile b's p (consumer 1 writes dz only after that p, so it needs no wait of its own).
-        HALF: gl.constexpr = D // 2
+    def _dkv_consumer(IDX, DKV, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf, dz_buf,
+                      full, empty, W: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # Consumer W: tiles b = W, W + 2, ... (ring stages of its parity: STAGES is even), each on its own: s and dp
+        # (asynchronous wgmma, back to back), the stage released, p and scale * dz in registers, then through its
+        # shared-memory buffers into dKV^T = q^T dz + dO^T p (M = D, N = BLOCK_N, K = 64 heads) and the atomics.
+        # No hand-over between the consumers: while one forms p and dz or adds its tile, the other's GEMMs run
+        # (a version that split s / dp and the dKV columns between them, with hand-overs, took 25.4 ms, this one
+        # 22.7 ms at T = 32768, H = 64, K = 640).
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         row_base = t * K
         nb = gl.cdiv(K, BLOCK_N)
         heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, s_layout))
-        if W == 0:
-            denom2 = gl.load(DENOM2 + t * H + heads)
-        else:
-            delta = gl.load(DELTA + t * H + heads)
+        denom2 = gl.load(DENOM2 + t * H + heads)
+        delta = gl.load(DELTA + t * H + heads)
         s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
-        o_zero = gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout)
-        cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-        for b in range(nb):
+        o_zero = gl.zeros([D, BLOCK_N], gl.float32, layout=s_layout)
+        cols = gl.arange(0, D, layout=gl.SliceLayout(1, s_layout))
+        for b in range(W, nb, 2):
             stage = b % STAGES
-            half = b % 2
             # Operands through a block-dependent zero index (see gluon_hopper._pp_consumer: loop-invariant
             # shared-memory bases get their wgmma descriptors hoisted and spilled).
             z = (b + 1) // (nb + 1)
@@ -89,31 +86,19 @@ if gluon_hopper._IMPORTED:
             valid = idx >= 0
             mbarrier.wait(full.index(stage), (b // STAGES) & 1)
             fence_async_shared()
-            if W == 0:
-                s = warpgroup_mma(q_all.index(z), ring.index(stage + z).permute((1, 0)), s_zero, use_acc=False)
-                mbarrier.arrive(empty.index(stage))
-                p = gl.where(valid[None, :], gl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
-                mbarrier.wait(tfree.index(half), ((b // 2) + 1) & 1, pred=b >= 2)
-                p32.index(half + z).store(p)
-                p16.index(half + z).store(p.to(p16.dtype))
-                fence_async_shared()
-                mbarrier.arrive(pready.index(half))
-                mbarrier.wait(dzready.index(half), (b // 2) & 1)
-            else:
-                dp = warpgroup_mma(do_all.index(z), ring.index(stage + z).permute((1, 0)), s_zero, use_acc=False)
-                mbarrier.arrive(empty.index(stage))
-                mbarrier.wait(pready.index(half), (b // 2) & 1)
-                p = p32.index(half + z).load(s_layout)
-                dz = p * (dp - delta[:, None]) * scale
-                dz16.index(half + z).store(dz.to(dz16.dtype))
-                fence_async_shared()
-                mbarrier.arrive(dzready.index(half))
-            # dKV^T for columns [W * HALF, (W + 1) * HALF): q^T dz + dO^T p (M = HALF, N = BLOCK_N, K = 64 heads).
-            acc = warpgroup_mma(q_all.index(z).slice(W * HALF, HALF, dim=1).permute((1, 0)), dz16.index(half + z),
-                                o_zero, use_acc=False)
-            acc = warpgroup_mma(do_all.index(z).slice(W * HALF, HALF, dim=1).permute((1, 0)), p16.index(half + z),
-                                acc)
-            mbarrier.arrive(tfree.index(half))
+            kv_t = ring.index(stage + z).permute((1, 0))
+            s = warpgroup_mma(q_all.index(z), kv_t, s_zero, use_acc=False, is_async=True)
+            dp = warpgroup_mma(do_all.index(z), kv_t, s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s])
+            dp = warpgroup_mma_wait(0, deps=[dp])
+            mbarrier.arrive(empty.index(stage))
+            p = gl.where(valid[None, :], gl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
+            dz = p * (dp - delta[:, None]) * scale
+            p_buf.index(W + z).store(p.to(p_buf.dtype))
+            dz_buf.index(W + z).store(dz.to(dz_buf.dtype))
+            fence_async_shared()
+            acc = warpgroup_mma(q_all.index(z).permute((1, 0)), dz_buf.index(W + z), o_zero, use_acc=False)
+            acc = warpgroup_mma(do_all.index(z).permute((1, 0)), p_buf.index(W + z), acc)
             rows = gl.where(valid, idx, 0).to(gl.int64) * D
             gl.atomic_add(DKV + rows[None, :] + cols[:, None], acc, mask=valid[None, :], sem="relaxed")
 
@@ -129,20 +114,15 @@ if gluon_hopper._IMPORTED:
         ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
         t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, BLOCK_N], dtype)
-        p16 = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)
-        dz16 = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)
-        p32 = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H_C, BLOCK_N],
-                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        p_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)    # one per consumer
+        dz_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)
         full = gluon_hopper._mbarriers(STAGES, 128)
-        empty = gluon_hopper._mbarriers(STAGES, 2)
-        pready = gluon_hopper._mbarriers(2, 1)
-        dzready = gluon_hopper._mbarriers(2, 1)
-        tfree = gluon_hopper._mbarriers(2, 2)
+        empty = gluon_hopper._mbarriers(STAGES, 1)
         gl.warp_specialize([
-            (_dkv_consumer, (IDX, DKV, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p32,
-                             p16, dz16, full, empty, pready, dzready, tfree, gl.constexpr(0), D, BLOCK_N, STAGES)),
-            (_dkv_consumer, (IDX, DKV, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p32,
-                             p16, dz16, full, empty, pready, dzready, tfree, gl.constexpr(1), D, BLOCK_N, STAGES)),
+            (_dkv_consumer, (IDX, DKV, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf,
+                             dz_buf, full, empty, gl.constexpr(0), D, BLOCK_N, STAGES)),
+            (_dkv_consumer, (IDX, DKV, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf,
+                             dz_buf, full, empty, gl.constexpr(1), D, BLOCK_N, STAGES)),
             (_dkv_producer, (Q, DO, KV, IDX, H, K, t, hb, q_all.index(0), do_all.index(0), ring, full, empty, D,
                              BLOCK_N, STAGES))],
             [4, 4], [REGS[0], REGS[1]])
@@ -157,6 +137,8 @@ def launch_dkv(q, do, kv, idx, denom2, delta, dkv, scale, config=None):
     cfg = dict(DKV_CONFIG, **(config or {}))
     if cfg["BLOCK_N"] not in (16, 32):         # 64-row tiles: two ring stages no longer fit beside q and dO
         raise ValueError(f"Gluon dKV config: BLOCK_N must be 16 or 32, got {cfg['BLOCK_N']}")
+    if cfg["STAGES"] < 2 or cfg["STAGES"] % 2:  # each consumer waits only on the stages of its tiles' parity
+        raise ValueError(f"Gluon dKV config: STAGES must be even and >= 2, got {cfg['STAGES']}")
     T, H, D = q.shape
     if idx.shape[1] == 0:
         return
