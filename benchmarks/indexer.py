@@ -4,8 +4,8 @@ Flash geometry from ``AttentionConfig.flash()`` (index_n_heads 64, index_head_di
 bf16 inputs, one document of T rows by default (``--doc-len`` packs equal documents instead). FLOPs follow
 spec/PERFORMANCE.md: score = 2 * Hi * Di * (visible pairs) = 2 * Hi * Di * sum_t row_visible[t] (~ T^2 / 8 for
 one document). ``score ms`` runs only the score kernel over the same query chunks; ``top-k ms`` is the rest
-(total - score: torch.topk over the int64 keys and the index decode). Times are the median of 10 runs after
-warm-up (CUDA events); the kernels are called directly (no argument checks). Run (CUDA, Triton):
+(total - score: the select kernel over the int32 score orders, which also maps the indices). Times are the median
+of 10 runs after warm-up (CUDA events); the kernels are called directly (no argument checks). Run (CUDA, Triton):
 
     python benchmarks/indexer.py --T 8192 32768 131072 262144 [--reference-T 8192 32768] [--check-T 8192]
                                  [--sweep] [--log out.txt]
@@ -68,7 +68,6 @@ def check(T: int, cfg, doc_len: int, log) -> None:
 
 
 def bench(T: int, cfg, doc_len: int, log, with_reference: bool, config=None, tag: str = "triton") -> None:
-    from dsv4attn.ops.index_sets import chunk_rows
     from dsv4attn.ops.indexer import triton as ixt
     from dsv4attn.ops.indexer.reference import indexer_topk_reference
     q, k, w, cand, pairs = make_inputs(T, doc_len, cfg)
@@ -76,15 +75,15 @@ def bench(T: int, cfg, doc_len: int, log, with_reference: bool, config=None, tag
     flop = 2.0 * Hi * Di * pairs
     first, visible, _, _ = ixt.contiguous_ranges(cand)
     width = cand.width
-    config = config or ixt.CONFIG
-    chunks = list(chunk_rows(T, width, budget=ixt.KEY_BUDGET))
+    config = dict(ixt.CONFIG, **(config or {}))
+    chunks = list(ixt.query_chunks(T, width, min(topk, width), ixt.ORDER_BUDGET))
 
     def full():
         ixt.indexer_topk_triton(q, k, w, cand, topk, config=config)
 
     def scores_only():
         for s, e in chunks:
-            ixt._score_keys(q[s:e], k, w[s:e], first[s:e], visible[s:e], None, 0, width, config)
+            ixt._score_orders(q[s:e], k, w[s:e], first[s:e], visible[s:e], None, 0, width, config)
 
     ms = time_ms(full)
     score_ms = time_ms(scores_only)
@@ -105,6 +104,8 @@ def bench(T: int, cfg, doc_len: int, log, with_reference: bool, config=None, tag
 SWEEP = [dict(BLOCK_T=t, BLOCK_E=e, num_warps=nw, num_stages=ns)
          for t, e, nw, ns in [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3),
                               (128, 128, 8, 2), (64, 256, 8, 2), (32, 128, 4, 3)]]
+# Select kernel variants (the score kernel at its default): columns per tile, elements per program tile, warps.
+SWEEP += [dict(SELECT_TILE=c, SELECT_BLOCK=c, SELECT_WARPS=nw) for c, nw in [(1024, 8), (2048, 4), (2048, 8)]]
 
 
 def sweep(T: int, cfg, doc_len: int, log) -> None:

@@ -12,6 +12,10 @@ What must hold (spec decision 6):
 - bf16 / fp16 inputs: both sides compute fp32 scores of the same rounded inputs and may order near-ties
   differently, so the *scores* of the chosen sets (float64, from the rounded inputs) are compared instead: same
   -1 pattern, and the i-th best chosen scores agree within SCORE_RTOL of the row's largest |score|.
+- The select kernel alone, on hand-made int32 score orders (fresh random each run, the seed is reported): equal to
+  a stable descending sort for distinct values, heavy ties at the extremes and at order(-inf), and rows that defeat
+  its tile-maxima bound (its exact search). The interpreter orders by pairwise ranks (``BY_RANK``, as the op does
+  there); two cases also run the GPU's ``tl.topk`` path, and a CUDA test runs it at Flash widths.
 - The kernel path is the registered op ``dsv4attn::indexer_topk_ranges``: ``torch.library.opcheck`` passes and
   ``torch.compile(fullgraph=True)`` of :func:`indexer_topk_triton` returns the eager indices (both run the op, so
   they run in the interpreter worker too).
@@ -29,7 +33,10 @@ from tests.ops.kernel_checks import OpLog
 from tests.packs import build_pack, random_lengths
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SMALL = dict(BLOCK_T=16, BLOCK_E=16, num_warps=4, num_stages=1)      # many row / entry blocks per pack
+SMALL = dict(BLOCK_T=16, BLOCK_E=16, num_warps=4, num_stages=1, SELECT_TILE=16, SELECT_BLOCK=512,
+             SELECT_WARPS=4)                   # many row / entry blocks per pack, several tiles per row
+# Default score tiles, small select tiles: rows of up to 35 candidates span up to 3 tiles of 16 (2 KP = 16 for k <= 8).
+TILES16 = dict(SELECT_TILE=16, SELECT_BLOCK=512)
 SCORE_RTOL = 1e-5        # fp32 summation-order noise over <= 8 heads x 64 dims is ~1e-7 of the row maximum
 
 
@@ -43,7 +50,8 @@ CASES = {
     "fp32-H1-D16-top1-small": _case("fp32", 1, 16, 1, config=SMALL),
     "fp32-H3-D32-top5": _case("fp32", 3, 32, 5),
     "fp32-H8-D64-top64-over-width": _case("fp32", 8, 64, 64),
-    "fp32-H2-D16-top7-small-chunks": _case("fp32", 2, 16, 7, config=SMALL, budget=7 * 17),
+    # 7 rows per chunk: 17 int32 orders + 2 KP = 16 int64 scratch keys (32 int32 words) per row.
+    "fp32-H2-D16-top7-small-chunks": _case("fp32", 2, 16, 7, config=SMALL, budget=7 * (17 + 32)),
     "fp32-H5-D32-top4-rows-table": _case("fp32", 5, 32, 4, view="rows-table"),
     "fp32-H4-D32-top6-offset-small": _case("fp32", 4, 32, 6, view="offset", config=SMALL),
     "fp32-H3-D24-top5-odd-dim": _case("fp32", 3, 24, 5),
@@ -56,6 +64,12 @@ CASES = {
     "ties-zero-fp32-top5": _case("fp32", 2, 16, 5, values="zero"),
     "ties-int-fp32-top4-small": _case("fp32", 3, 16, 4, values="int", config=SMALL),
     "ties-int-bf16-top6": _case("bf16", 4, 32, 6, values="int"),
+    # The select kernel over several tiles per row: distinct scores (the tile-maxima bound), ties straddling the
+    # threshold (the exact search and the tie ranks across tiles), a power-of-two k, and all scores equal.
+    "fp32-H3-D32-top9-tiles": _case("fp32", 3, 32, 9, config=TILES16, max_len=110),
+    "ties-int-fp32-top7-tiles": _case("fp32", 2, 16, 7, values="int", config=TILES16, max_len=110),
+    "ties-int-fp32-top16-tiles": _case("fp32", 3, 16, 16, values="int", config=TILES16, max_len=110),
+    "ties-const-fp32-top6-tiles": _case("fp32", 2, 16, 6, values="const", config=TILES16, max_len=110),
     "no-entries-width2": _case("fp32", 2, 16, 4, max_len=8, padding=0, view="no-entries"),
     "fp32-H3-D32-top5-stack": _case("fp32", 3, 32, 5, view="stack", config=SMALL),
 }
@@ -100,6 +114,8 @@ def _make(c, seed):
         q = torch.randn(T, H, Di, generator=gen, dtype=torch.float64).to(dt)
         k = torch.randn(n_keys, Di, generator=gen, dtype=torch.float64).to(k_dt)
         w = torch.randn(T, H, generator=gen, dtype=torch.float64).float()
+    elif c["values"] == "const":             # every score the same positive number
+        q, k, w = torch.ones(T, H, Di, dtype=dt), torch.ones(n_keys, Di, dtype=k_dt), torch.full((T, H), 0.125)
     elif c["values"] == "zero":              # every dot product negative: all scores exactly 0
         q = torch.ones(T, H, Di, dtype=dt)
         k = (-torch.rand(n_keys, Di, generator=gen) - 0.1).to(k_dt)
@@ -148,6 +164,87 @@ def _judge(c, q, k, w, candidates, got, want):
         step = (s_got[:, 1:] - s_got[:, :-1]) / row_max
         result["order_rel_err"] = float(step.nan_to_num(0.0).clamp(min=0).max()) if step.numel() else 0.0
     return result
+
+
+# ------------------------------------------------------------------------------ the select kernel on its own
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+NEG_INF_ORDER = -2139095041                    # order(-inf): an empty slot, -1 in the output
+# (kind, rows, width, k, table): rows of hand-made int32 orders through the select kernel with TILES16-like tiles.
+SELECT_CASES = {
+    "distinct-top7": ("distinct", 40, 100, 7, False),
+    "ties-top7": ("ties", 40, 100, 7, False),
+    "far-top7-table": ("far", 24, 100, 7, True),
+    "periodic-top5": ("periodic", 24, 64, 5, False),
+    "ties-top1": ("ties", 24, 50, 1, False),
+    "ties-top16": ("ties", 24, 70, 16, True),
+    "distinct-top-width": ("distinct", 16, 20, 20, False),
+}
+SELECT_TILES = dict(SELECT_TILE=16, SELECT_BLOCK=256, SELECT_WARPS=4)
+
+
+def _select_inputs(kind: str, rows: int, width: int, topk: int, gen: torch.Generator, device="cpu"):
+    """(orders, visible, first) of one select case: (rows, width) int32 orders, (rows,) int64 lengths and offsets.
+
+    distinct: the whole int32 range. ties: a few values, the extremes and order(-inf) among them, so ties straddle
+    every threshold. far: a few int32-max over equal small values (the tile-maxima bound is far too low: the exact
+    search takes its longest). periodic: one random tile of 16 repeated (every tile maximum ties). Lengths: 0, k - 1,
+    k, k + 1, the width, then random.
+    """
+    shape = (rows, width)
+    if kind == "distinct":
+        orders = torch.randint(INT32_MIN, INT32_MAX + 1, shape, generator=gen, dtype=torch.int64)
+    elif kind == "ties":
+        values = torch.tensor([INT32_MIN, NEG_INF_ORDER, -5, -1, 0, 1, 7, INT32_MAX])
+        orders = values[torch.randint(0, len(values), shape, generator=gen)]
+    elif kind == "far":
+        orders = torch.full(shape, -3, dtype=torch.int64)
+        orders[torch.rand(shape, generator=gen) < 0.03] = INT32_MAX
+    else:
+        orders = torch.randint(-4, 4, (rows, 16), generator=gen).repeat(1, width // 16 + 1)[:, :width]
+    lengths = [0, topk - 1, topk, topk + 1, width]
+    visible = torch.tensor(lengths + torch.randint(0, width + 1, (rows - len(lengths),), generator=gen).tolist())
+    first = torch.randint(0, 50, (rows,), generator=gen)
+    return orders.to(torch.int32).to(device), visible.clamp(0, width).to(device), first.to(device)
+
+
+def _select_reference(orders, visible, first, table, shift: int, topk: int) -> torch.Tensor:
+    """Plain PyTorch: each row's visible orders by a stable descending sort (ties to the lower j), mapped."""
+    j = torch.arange(orders.shape[1], device=orders.device)
+    live = j[None, :] < visible[:, None]
+    ranked = torch.sort(orders.long().masked_fill(~live, INT32_MIN - 1), dim=1, descending=True, stable=True)
+    best = ranked.indices[:, :topk]
+    found = live.gather(1, best) & (orders.long().gather(1, best) != NEG_INF_ORDER)
+    entry = first[:, None] + best
+    if table is not None:
+        entry = table[entry.masked_fill(~found, 0)]
+    return torch.where(found, entry + shift, -1).to(torch.int32)
+
+
+def _run_select(case, gen, config, by_rank=None, device="cpu"):
+    """(got, want) of one select case through ``_select`` and the reference."""
+    from dsv4attn.ops.indexer import triton as ix_triton
+    kind, rows, width, topk, with_table = case
+    orders, visible, first = _select_inputs(kind, rows, width, topk, gen, device)
+    table = None
+    if with_table:              # increasing with gaps, as for a context-parallel view, then a shift of 3
+        table = torch.randint(1, 4, (width + 50,), generator=gen).cumsum(0).to(device)
+    shift = 3 if with_table else 0
+    got = torch.full((rows, topk), -7, dtype=torch.int32, device=device)       # every slot must be written
+    ix_triton._select(orders, first, visible, table, shift, got, config, by_rank=by_rank)
+    return got, _select_reference(orders, visible, first, table, shift, topk)
+
+
+def _select_checks() -> dict:
+    """Every SELECT_CASES case on fresh random inputs (the seed is reported), by pairwise ranks (the interpreter's
+    default) and two through ``tl.topk`` (the GPU's path, slow under the interpreter)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    runs = {name: _run_select(case, gen, SELECT_TILES) for name, case in SELECT_CASES.items()}
+    for name in ("ties-top7", "far-top7-table"):
+        kind, rows, width, topk, table = SELECT_CASES[name]
+        runs[name + "-tl.topk"] = _run_select((kind, 16, width, topk, table), gen, SELECT_TILES, by_rank=False)
+    return {name: dict(seed=seed, equal=bool(torch.equal(got, want)), rows_differ=int((got != want).any(1).sum()))
+            for name, (got, want) in runs.items()}
 
 
 def _worker() -> None:
@@ -199,7 +296,7 @@ def _worker() -> None:
     qt, kt, wt, cand_t, _ = _make(c, 8)
     opchecks = [torch.library.opcheck(ix_triton.indexer_topk_ranges_op,
                                       (q, k, w, *ix_triton.contiguous_ranges(candidates), candidates.width, 5, tiles,
-                                       7 * candidates.width)),
+                                       7 * (candidates.width + 32))),      # 7 rows per chunk (KP = 8)
                 torch.library.opcheck(ix_triton.indexer_topk_ranges_op,
                                       (qt, kt, wt, *ix_triton.contiguous_ranges(cand_t), cand_t.width, 4, tiles,
                                        1 << 20))]
@@ -207,6 +304,7 @@ def _worker() -> None:
     torch._dynamo.reset()
     compiled = torch.compile(lambda a, b, c_: ix_triton.indexer_topk_triton(a, b, c_, candidates, 5), fullgraph=True)
     plumbing["compile_fullgraph_matches_eager"] = torch.equal(compiled(q, k, w), direct)
+    results["select"] = _select_checks()
     print("RESULTS " + json.dumps(results))
 
 
@@ -235,6 +333,12 @@ def test_kernel_matches_reference(interpreted, case_id):
                                    "opcheck", "compile_fullgraph_matches_eager"])
 def test_plumbing(interpreted, check):
     assert interpreted["plumbing"][check]
+
+
+@pytest.mark.parametrize("case_id", [*SELECT_CASES, "ties-top7-tl.topk", "far-top7-table-tl.topk"])
+def test_select_kernel_matches_stable_sort(interpreted, case_id):
+    m = interpreted["select"][case_id]
+    assert m["equal"], f"{case_id}: {m['rows_differ']} rows differ from a stable sort (seed {m['seed']})"
 
 
 # ----------------------------------------------------------------------------------------------- CUDA, Flash sizes
@@ -329,3 +433,14 @@ def test_cuda_compile_fullgraph_and_cuda_graph_match_eager():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["distinct", "ties", "far", "periodic"])
+def test_cuda_select_kernel_flash_sizes(kind):
+    """The select kernel alone at Flash widths (k = 512 of 8192 columns), default tiles, against a stable sort."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    from dsv4attn.ops.indexer import triton as ix_triton
+    got, want = _run_select((kind, 2048, 8192, FLASH_TOPK, kind == "far"), gen, ix_triton.CONFIG, device="cuda")
+    assert torch.equal(got, want), f"{int((got != want).any(1).sum())} rows differ (seed {seed})"

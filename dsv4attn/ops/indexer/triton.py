@@ -6,21 +6,36 @@ use, where query row t sees the contiguous range of layout entries ``[first[t], 
 an optional ``table`` maps layout entries to key rows, ``shift`` is added after). Any other index set, float64
 inputs and empty outputs go to the reference.
 
-Two stages per chunk of query rows (the chunk bounds the working set to ``chunk x width`` int64 keys, so memory
-is O(T * topk + chunk), not O(T^2)):
+Two kernels per chunk of query rows (the chunk bounds the working set to ``chunk x (width + 4 KP)`` int32 words, so
+memory is O(T * topk + chunk), not O(T^2)):
 
-1. ``_indexer_keys_kernel``: one program per (block of ``BLOCK_T`` query rows, block of ``BLOCK_E`` layout
+1. ``_indexer_orders_kernel``: one program per (block of ``BLOCK_T`` query rows, block of ``BLOCK_E`` layout
    entries). Entries are counted from the first entry of the block's first row, so a block whose rows all belong
    to one document (the common case) loads one shared key tile and every head is one ``tl.dot``; a block that
    straddles documents uses the same tile, masked per row (it spans at most ``width + BLOCK_T / 4`` entries, so
    the grid covers ``2 * width + BLOCK_T`` entries). For each index head h it adds ``w[t, h] * relu(q_h . k)`` to
-   a fp32 accumulator, then writes, in row-relative coordinates ``j = entry - first[t]``, an int64 sort key
+   a fp32 accumulator, then writes, in row-relative coordinates ``j = entry - first[t] < visible[t]``, the int32
+   ``order(score)``: the fp32 bits mapped to an int32 with the same order. Columns ``j >= visible[t]`` are not
+   written (the select kernel never reads them).
+2. ``_topk_select_kernel``: streams over each query row's ``visible[t]`` orders in tiles of ``TILE`` columns (one
+   row per program when rows are long; several, as (rows, TILE) tiles, when they are short). The best K of a row are
+   the K largest sort keys ``order << 32 | (2^32 - 1 - j)`` (distinct in a row: larger = higher score, and among
+   equal scores the lower j), so the result is unique and equals the reference's stable descending sort. KP is K
+   rounded up to a power of two (at least 2); ``TILE >= 2 KP``.
 
-       key = order(score) << 32 | (2^32 - 1 - j)        (score = -inf where j >= visible[t])
+   a. One pass: the column maxima of the row's tiles (TILE of them). Each is an element of the row, so at least K
+      elements are >= tau, the K-th largest column maximum: the best K are among them. For random scores about
+      1.4 K elements are >= tau (TILE = 2 KP; a short row is its own column maxima, so tau is exact there).
+   b. One pass: the keys of the elements >= tau, in j order, into a per-row scratch of 2 KP slots.
+   c. Only for rows with more than 2 KP elements >= tau (many equal scores, or an adversarial row): the exact K-th
+      largest order v by a 16-way search on counts over ``[tau, max]`` (one pass per step, at most 8; none when
+      every element >= tau is equal), then the scratch is refilled with the elements > v (fewer than K) and the
+      first K equal to v in j order: the best K are among them.
+   d. ``tl.topk`` (bitonic) of the 2 KP scratch keys; decode j, map ``first[t] + j`` through ``table``, add
+      ``shift``; slots past the row's candidates, or of score -inf, become -1.
 
-   where ``order`` maps the fp32 bits to an int32 with the same order. Larger key = higher score, and among equal scores the lower j.
-2. ``torch.topk`` of the keys, ``sorted=True``: keys in a row are distinct, so the result is unique and
-   deterministic, and equals the reference's stable descending sort. Slots whose score is -inf become -1.
+   (A 4-pass radix select with ``tl.histogram`` was not faster than ``torch.topk`` on an H200: the leading digit
+   is the same for most scores, so the histogram's shared-memory atomics serialise; see BENCHMARKS.md.)
 
 No device->host sync: widths are host ints of the layout, the per-row ranges stay on the device.
 
@@ -41,25 +56,28 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ... import backend
-from ..triton_common import dot, dot_mode
+from ..triton_common import dot, dot_mode, interpreting
 from ..index_sets import IndexSet, Rows, Stack, VisibleCompressed, chunk_rows
 from .reference import indexer_topk_reference
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# BLOCK_T query rows x BLOCK_E entries per program; benchmarks may pass another config.
-CONFIG = dict(BLOCK_T=64, BLOCK_E=128, num_warps=8, num_stages=3)
+# Score kernel: BLOCK_T query rows x BLOCK_E entries per program. Select kernel: at most SELECT_TILE columns per tile,
+# (rows x columns) tiles of SELECT_BLOCK elements (several rows per program when rows are short), SELECT_WARPS.
+# Benchmarks may pass another config.
+CONFIG = dict(BLOCK_T=64, BLOCK_E=128, num_warps=8, num_stages=3, SELECT_TILE=1024, SELECT_BLOCK=1024,
+              SELECT_WARPS=4)
 # The order in which the op's ``tiles`` argument lists a config (a custom op's schema takes no dicts).
-TILE_KEYS = ("BLOCK_T", "BLOCK_E", "num_warps", "num_stages")
-# Elements (int64 keys) of one chunk's score buffer: 2^26 keys = 512 MiB.
-KEY_BUDGET = 1 << 26
-# order(-inf): the high half of every empty slot's key (0xFF800000 with the low 31 bits flipped, as int32).
-NEG_INF_ORDER = -2139095041
-LOW_MASK = 0xFFFFFFFF
+TILE_KEYS = ("BLOCK_T", "BLOCK_E", "num_warps", "num_stages", "SELECT_TILE", "SELECT_BLOCK", "SELECT_WARPS")
+# int32 words of one chunk's buffers (the orders, and the select kernel's int64 scratch): 2^27 words = 512 MiB.
+ORDER_BUDGET = 1 << 27
+INT32_MIN = tl.constexpr(-2**31)
+INT64_MIN = tl.constexpr(-2**63)
+NEG_INF_ORDER = tl.constexpr(-2139095041)      # order(-inf): 0xFF800000 with the low 31 bits flipped, as int32
 
 
 @triton.jit
-def _indexer_keys_kernel(
-    Q, K, W, FIRST, VISIBLE, TABLE, KEYS,
+def _indexer_orders_kernel(
+    Q, K, W, FIRST, VISIBLE, TABLE, ORDERS,
     rows_c, H: tl.constexpr, Di, width, shift,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TABLE: tl.constexpr,
     DOT_MODE: tl.constexpr,
@@ -75,7 +93,6 @@ def _indexer_keys_kernel(
     entries = block_first + eb * BLOCK_E + tl.arange(0, BLOCK_E).to(tl.int64)
     j = entries[None, :] - first[:, None]                                  # (BLOCK_T, BLOCK_E) row-relative
     valid = (j >= 0) & (j < visible[:, None]) & row_ok[:, None]
-    in_buffer = (j >= 0) & (j < width) & row_ok[:, None]
 
     acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
     needed = tl.max(valid.to(tl.int32), axis=1)                            # any valid slot in this tile?
@@ -99,12 +116,144 @@ def _indexer_keys_kernel(
 
     # acc starts at +0.0 and x + (-0.0) or x - x never gives -0.0, so a zero score is +0.0: equal scores have
     # equal bits, as the order map needs (the reference compares floats, where -0.0 == +0.0).
-    score = tl.where(valid, acc, float("-inf"))
-    bits = score.to(tl.int32, bitcast=True)
+    bits = acc.to(tl.int32, bitcast=True)
     order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)                   # signed order == float order
-    # order << 32 | (2^32 - 1 - j), written with small int64 literals only (2^32 - 1 would be typed uint32).
-    keys = ((order.to(tl.int64) + 1) << 32) - 1 - tl.where(in_buffer, j, 0)
-    tl.store(KEYS + rows[:, None] * width + j, keys, mask=in_buffer)
+    tl.store(ORDERS + rows[:, None] * width + j, order, mask=valid)
+
+
+# The select kernel works on ROWS query rows at once, as (ROWS, TILE) tiles: ``row`` is a (ROWS, 1) tensor of
+# pointers to their orders, ``n`` (ROWS,) their lengths (0 for rows to skip), and loops run to the longest.
+@triton.jit
+def _column_max(row, n, TILE: tl.constexpr):
+    """(ROWS, TILE): elementwise max of each row's tiles of TILE orders; INT32_MIN in columns a row lacks."""
+    offs = tl.arange(0, TILE)[None, :]
+    best = tl.full([n.shape[0], TILE], INT32_MIN, tl.int32)
+    for start in range(0, tl.max(n, 0), TILE):
+        best = tl.maximum(best, tl.load(row + start + offs, mask=start + offs < n[:, None], other=INT32_MIN))
+    return best
+
+
+@triton.jit
+def _kth_largest(x, K, KP: tl.constexpr, BY_RANK: tl.constexpr):
+    """(ROWS,): the K-th largest element of each row of the int32 ``x`` (K <= KP <= its row length)."""
+    if BY_RANK:
+        at_least = tl.sum((x[:, None, :] >= x[:, :, None]).to(tl.int32), 2)   # how many elements are >= x[r, i]
+        return tl.max(tl.where(at_least >= K, x, INT32_MIN), 1)
+    else:
+        return tl.sum(tl.where(tl.arange(0, KP)[None, :] == K - 1, tl.topk(x, KP), 0), 1)
+
+
+@triton.jit
+def _largest_first(keys, KP: tl.constexpr, BY_RANK: tl.constexpr):
+    """(ROWS, KP): the KP largest of each row of the int64 ``keys``, descending. Keys must be distinct in a row,
+    except INT64_MIN padding (BY_RANK: each slot past the real keys holds INT64_MIN)."""
+    if BY_RANK:
+        above = tl.sum((keys[:, None, :] > keys[:, :, None]).to(tl.int32), 2)  # the rank of keys[r, i]
+        slots = tl.arange(0, KP)[None, :, None]
+        return tl.max(tl.where(above[:, None, :] == slots, keys[:, None, :], INT64_MIN), 2)
+    else:
+        return tl.topk(keys, KP)
+
+
+@triton.jit
+def _count_at_least(row, n, probes, TILE: tl.constexpr):
+    """(ROWS, P): how many of each row's orders are >= ``probes[r, p]`` ((ROWS, P) int32)."""
+    offs = tl.arange(0, TILE)[None, :]
+    counts = tl.zeros(probes.shape, tl.int32)
+    for start in range(0, tl.max(n, 0), TILE):
+        ok = start + offs < n[:, None]
+        x = tl.load(row + start + offs, mask=ok, other=INT32_MIN)
+        counts += tl.sum(((x[:, :, None] >= probes[:, None, :]) & ok[:, :, None]).to(tl.int32), 1)
+    return counts
+
+
+@triton.jit
+def _kth_order(row, n, lo, top, K, TILE: tl.constexpr):
+    """(ROWS,): the K-th largest order of each row, given count(>= lo) >= K and the row maximum ``top`` (rows with
+    n = 0 stop at once, with a meaningless result). A 16-way search on counts: each pass over the rows divides
+    ``hi - lo`` by 16."""
+    lo = lo.to(tl.int64)
+    hi = top.to(tl.int64) + 1                 # invariant: count(>= lo) >= K > count(>= hi)
+    steps = tl.arange(0, 16).to(tl.int64)[None, :]
+    while tl.max(hi - lo, 0) > 1:
+        probes = lo[:, None] + (((hi - lo)[:, None] * steps) >> 4)   # probes[:, 0] = lo; probes[:, 8] inside
+        enough = _count_at_least(row, n, probes.to(tl.int32), TILE) >= K
+        hi = tl.min(tl.where(enough, hi[:, None], probes), 1)
+        lo = tl.max(tl.where(enough, probes, lo[:, None]), 1)
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def _compact(row, n, threshold, ties, scratch, CAP: tl.constexpr, TILE: tl.constexpr, ALL_TIES: tl.constexpr):
+    """Write the sort keys of each row's orders > threshold, and of its first ``ties`` (all of them if ALL_TIES)
+    == threshold in j order, to ``scratch[r, 0:CAP]`` in j order. Returns (ROWS,) how many were taken: those past
+    CAP are counted, not written."""
+    offs = tl.arange(0, TILE)[None, :]
+    taken = tl.zeros_like(n)
+    seen = tl.zeros_like(n)                                     # elements == threshold in earlier tiles
+    for start in range(0, tl.max(n, 0), TILE):
+        j = start + offs
+        ok = j < n[:, None]
+        x = tl.load(row + j, mask=ok, other=INT32_MIN)
+        equal = ok & (x == threshold[:, None])
+        take = ok & (x > threshold[:, None])
+        if ALL_TIES:
+            take = take | equal
+        else:
+            rank = seen[:, None] + tl.cumsum(equal.to(tl.int32), 1)
+            take = take | (equal & (rank <= ties))
+            seen += tl.sum(equal.to(tl.int32), 1)
+        pos = taken[:, None] + tl.cumsum(take.to(tl.int32), 1) - 1
+        # order << 32 | (2^32 - 1 - j), written with small int64 literals only (2^32 - 1 would be typed uint32).
+        keys = ((x.to(tl.int64) + 1) << 32) - 1 - j
+        tl.store(scratch + pos, keys, mask=take & (pos < CAP))
+        taken += tl.sum(take.to(tl.int32), 1)
+    return taken
+
+
+@triton.jit
+def _write_rows(scratch, taken, first, TABLE, out, live, shift, K, KP: tl.constexpr, HAS_TABLE: tl.constexpr,
+                BY_RANK: tl.constexpr):
+    """Store the best K of each row's ``taken`` (>= min(K, row length), <= 2 KP) scratch keys to ``out[r, 0:K]``
+    (rows where ``live``) as key rows, -1 where empty."""
+    slots = tl.arange(0, 2 * KP)[None, :]
+    # .cg reads L2, where the other threads' scratch stores are (the caller's barrier orders them before this).
+    keys = tl.load(scratch + slots, mask=slots < taken[:, None], other=INT64_MIN, cache_modifier=".cg")
+    best = _largest_first(keys, KP, BY_RANK)
+    order = best >> 32
+    j = ((order + 1) << 32) - 1 - best
+    rank = tl.arange(0, KP)[None, :]
+    found = (rank < taken[:, None]) & (order != NEG_INF_ORDER)
+    entry = first[:, None] + j
+    if HAS_TABLE:
+        entry = tl.load(TABLE + entry, mask=found, other=0)
+    tl.store(out + rank, tl.where(found, entry + shift, -1).to(tl.int32), mask=(rank < K) & live[:, None])
+
+
+@triton.jit
+def _topk_select_kernel(ORDERS, FIRST, VISIBLE, TABLE, SCRATCH, OUT, rows_c, width, shift, K,
+                        KP: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr, HAS_TABLE: tl.constexpr,
+                        BY_RANK: tl.constexpr):
+    # ROWS query rows per program; the steps a-d of the module docstring. BY_RANK (the CPU interpreter, where a
+    # bitonic network costs a fraction of a second per call) orders by pairwise comparison counts, not tl.topk.
+    t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = t < rows_c
+    n = tl.load(VISIBLE + t, mask=live, other=0).to(tl.int32)
+    row = ORDERS + t[:, None] * width
+    scratch = SCRATCH + t[:, None] * (2 * KP)
+    columns = _column_max(row, n, TILE)
+    tau = _kth_largest(columns, K, KP, BY_RANK)
+    taken = _compact(row, n, tau, 0, scratch, 2 * KP, TILE, True)
+    refill = taken > 2 * KP
+    if tl.max(refill.to(tl.int32), 0) > 0:
+        tl.debug_barrier()                     # the first pass's scratch stores before the refill's
+        n_refill = tl.where(refill, n, 0)
+        # Fewer than K orders are > v, so these are at most 2 K - 1 <= 2 KP keys, the best K among them.
+        v = _kth_order(row, n_refill, tau, tl.max(columns, 1), K, TILE)
+        taken = tl.where(refill, _compact(row, n_refill, v, K, scratch, 2 * KP, TILE, False), taken)
+    tl.debug_barrier()                         # every thread's scratch stores before the loads of _write_rows
+    first = tl.load(FIRST + t, mask=live, other=0)
+    _write_rows(scratch, taken, first, TABLE, OUT + t[:, None] * K, live, shift, K, KP, HAS_TABLE, BY_RANK)
 
 
 def contiguous_ranges(candidates: IndexSet):
@@ -126,26 +275,25 @@ def contiguous_ranges(candidates: IndexSet):
     return first.contiguous(), visible.contiguous(), table, int(shift)
 
 
-def _score_keys(q, k, w, first, visible, table, shift: int, width: int, config: dict) -> torch.Tensor:
-    """(rows, width) int64 sort keys of the query rows in ``q`` (see the module docstring)."""
+def _score_orders(q, k, w, first, visible, table, shift: int, width: int, config: dict) -> torch.Tensor:
+    """(rows, width) int32 score orders of the query rows in ``q``, written where ``j < visible`` (module doc)."""
     rows_c, H, Di = q.shape
-    keys = torch.empty(rows_c, width, dtype=torch.int64, device=q.device)
+    orders = torch.empty(rows_c, width, dtype=torch.int32, device=q.device)
     if rows_c == 0:
-        return keys
-    cfg = dict(config)
-    launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-    block_t, block_e = cfg["BLOCK_T"], cfg["BLOCK_E"]
+        return orders
+    launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
+    block_t, block_e = config["BLOCK_T"], config["BLOCK_E"]
     # A block of rows spans at most width + BLOCK_T / 4 entries past its first row's first entry (module doc).
     grid = (triton.cdiv(2 * width + block_t, block_e), triton.cdiv(rows_c, block_t))
     mode = dot_mode(q.dtype)
     table_arg = table if table is not None else first                     # any pointer; unused without a table
     while True:
         try:
-            _indexer_keys_kernel[grid](
-                q, k, w, first, visible, table_arg, keys, rows_c, H, Di, width, shift,
+            _indexer_orders_kernel[grid](
+                q, k, w, first, visible, table_arg, orders, rows_c, H, Di, width, shift,
                 BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=max(16, triton.next_power_of_2(Di)),
                 HAS_TABLE=table is not None, DOT_MODE=mode, **launch)
-            return keys
+            return orders
         except OutOfResources:   # shared memory of this GPU (e.g. fp32 tiles): fewer stages, then fewer entries
             if launch["num_stages"] > 1:
                 launch["num_stages"] -= 1
@@ -156,15 +304,34 @@ def _score_keys(q, k, w, first, visible, table, shift: int, width: int, config: 
                 raise
 
 
-def _select(keys: torch.Tensor, first: torch.Tensor, table, shift: int, topk: int) -> torch.Tensor:
-    """Best ``topk`` keys per row -> int32 key rows, -1 for empty slots."""
-    best = torch.topk(keys, topk, dim=1, largest=True, sorted=True).values
-    j = LOW_MASK - (best & LOW_MASK)
-    found = (best >> 32) != NEG_INF_ORDER
-    entry = first[:, None] + j
-    if table is not None:
-        entry = table[torch.where(found, entry, torch.zeros_like(entry))]
-    return torch.where(found, entry + shift, torch.full_like(entry, -1)).to(torch.int32)
+def _select_width(topk: int) -> int:
+    """KP of the select kernel: topk rounded up to a power of two, at least 2 (Triton 3.6's ``tl.topk`` mishandles
+    k = 1)."""
+    return max(2, triton.next_power_of_2(topk))
+
+
+def query_chunks(T: int, width: int, topk: int, budget: int):
+    """The (start, end) query chunks of :func:`indexer_topk_ranges_op`: per row, ``width`` int32 orders and the
+    select kernel's ``2 KP`` int64 scratch keys, ``budget`` int32 words per chunk."""
+    return chunk_rows(T, width + 4 * _select_width(topk), budget=budget)
+
+
+def _select(orders, first, visible, table, shift: int, out: torch.Tensor, config: dict,
+            by_rank: bool | None = None) -> None:
+    """Write the best ``out.shape[1]`` candidates of each row of ``orders`` to ``out`` as int32 key rows, best first,
+    ties to the lower j, -1 for empty slots (module doc, step 2). ``by_rank``: order by pairwise counts instead of
+    ``tl.topk`` (default: under the CPU interpreter only; quadratic in KP and TILE)."""
+    rows_c, width = orders.shape
+    topk = out.shape[1]
+    kp = _select_width(topk)
+    # Tiles of at most SELECT_TILE columns (at least 2 KP: tau needs K columns), SELECT_BLOCK elements per program.
+    tile = max(min(config["SELECT_TILE"], triton.next_power_of_2(width)), 2 * kp)
+    rows = max(1, triton.next_power_of_2(config["SELECT_BLOCK"]) // tile)
+    scratch = torch.empty(rows_c, 2 * kp, dtype=torch.int64, device=orders.device)
+    _topk_select_kernel[(triton.cdiv(rows_c, rows),)](
+        orders, first, visible, table if table is not None else first, scratch, out, rows_c, width, shift, topk,
+        KP=kp, TILE=tile, ROWS=rows, HAS_TABLE=table is not None,
+        BY_RANK=interpreting() if by_rank is None else by_rank, num_warps=config["SELECT_WARPS"])
 
 
 @torch.library.custom_op("dsv4attn::indexer_topk_ranges", mutates_args=())
@@ -179,7 +346,8 @@ def indexer_topk_ranges_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
         first, visible: (T,) int row t's candidates are layout entries ``first[t] + j`` for ``j < visible[t]``.
         table: optional (entries,) int map from layout entries to rows of ``k``; shift: added after the map.
         width: the widest row's candidate count (a host int: the buffer width; ``visible <= width``).
-        topk: k > 0. tiles: the config's values in :data:`TILE_KEYS` order; budget: int64 keys per query chunk.
+        topk: k > 0. tiles: the config's values in :data:`TILE_KEYS` order; budget: int32 words per query chunk
+            (:func:`query_chunks`).
     Returns:
         (T, min(topk, width)) int32 rows of ``k``, best first, ties to the lower entry, -1 = empty.
     """
@@ -195,9 +363,9 @@ def indexer_topk_ranges_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
     table = None if table is None else table.contiguous()
     config = dict(zip(TILE_KEYS, tiles))
     with backend.exact_math(q.device):
-        for s, e in chunk_rows(T, width, budget=budget):
-            keys = _score_keys(q[s:e], k, w[s:e], first[s:e], visible[s:e], table, shift, width, config)
-            out[s:e] = _select(keys, first[s:e], table, shift, out_width)
+        for s, e in query_chunks(T, width, out_width, budget):
+            orders = _score_orders(q[s:e], k, w[s:e], first[s:e], visible[s:e], table, shift, width, config)
+            _select(orders, first[s:e], visible[s:e], table, shift, out[s:e], config)
     return out
 
 
@@ -217,8 +385,8 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
         candidates: an :class:`IndexSet`; :class:`VisibleCompressed`, a :class:`Rows` view of one, or a
             :class:`Stack` of those runs the kernel (the registered op, once per part), anything else the reference.
         topk: k > 0.
-        config: tile configuration (default :data:`CONFIG`); budget: int64 keys per chunk (default
-            :data:`KEY_BUDGET`).
+        config: tile configuration (default :data:`CONFIG`); budget: int32 words per query chunk (default
+            :data:`ORDER_BUDGET`).
     Returns:
         (T, min(topk, candidates.width)) int32 rows of ``k``, best first, ties to the lower index, -1 = empty.
 
@@ -239,9 +407,9 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     first, visible, table, shift = ranges
     config = dict(CONFIG, **(config or {}))
     return indexer_topk_ranges_op(q, k, weights, first, visible, table, shift, candidates.width, topk,
-                                  [int(config[key]) for key in TILE_KEYS], budget or KEY_BUDGET)
+                                  [int(config[key]) for key in TILE_KEYS], budget or ORDER_BUDGET)
 
 
 backend.register_kernel("indexer_topk", indexer_topk_triton)
 
-__all__ = ["indexer_topk_triton", "indexer_topk_ranges_op", "contiguous_ranges", "TILE_KEYS"]
+__all__ = ["indexer_topk_triton", "indexer_topk_ranges_op", "contiguous_ranges", "query_chunks", "TILE_KEYS"]
