@@ -5,7 +5,8 @@
 Override with ``set_backend("reference")`` / ``set_backend("triton")``, or ``DSV4ATTN_BACKEND``; ``None``/``"auto"``
 restores the automatic choice. Within the Triton backend the sparse-attention forward has two kernels: on SM90 GPUs
 a warp-specialised Gluon kernel, elsewhere the Triton one; ``DSV4ATTN_FORWARD_KERNEL=triton`` (or ``gluon``, ``auto``)
-or ``dsv4attn.ops.sparse_attention.triton.FORWARD_KERNEL`` chooses.
+or ``dsv4attn.ops.sparse_attention.triton.FORWARD_KERNEL`` chooses ("triton" also keeps out the Gluon dKV pass of
+the backward and the indexer KL's Gluon teacher mass).
 """
 from __future__ import annotations
 

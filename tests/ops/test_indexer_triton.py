@@ -437,10 +437,20 @@ def test_cuda_compile_fullgraph_and_cuda_graph_match_eager():
 
 @needs_cuda
 @pytest.mark.parametrize("kind", ["distinct", "ties", "far", "periodic"])
-def test_cuda_select_kernel_flash_sizes(kind):
-    """The select kernel alone at Flash widths (k = 512 of 8192 columns), default tiles, against a stable sort."""
+@pytest.mark.parametrize("topk", [FLASH_TOPK, 1024], ids=["flash-k512", "pro-k1024"])
+def test_cuda_select_kernel_flash_sizes(kind, topk):
+    """The select kernel alone at Flash widths (k = 512 of 8192 columns; the Pro preset's k = 1024), default tiles,
+    against a stable sort."""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     from dsv4attn.ops.indexer import triton as ix_triton
-    got, want = _run_select((kind, 2048, 8192, FLASH_TOPK, kind == "far"), gen, ix_triton.CONFIG, device="cuda")
+    got, want = _run_select((kind, 2048, 8192, topk, kind == "far"), gen, ix_triton.CONFIG, device="cuda")
     assert torch.equal(got, want), f"{int((got != want).any(1).sum())} rows differ (seed {seed})"
+
+
+def test_select_tile_must_be_a_power_of_two():
+    from dsv4attn.ops.indexer import triton as ix_triton
+    orders, rows = torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+    config = dict(ix_triton.CONFIG, SELECT_TILE=48)
+    with pytest.raises(ValueError, match="SELECT_TILE must be a power of two, got 48"):
+        ix_triton._select(orders, rows, rows, None, 0, torch.empty(2, 4, dtype=torch.int32), config)

@@ -9,6 +9,8 @@ still differ in the last bits. The dispatch tests at the end run on any machine 
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -244,9 +246,9 @@ def _stub_bwd(monkeypatch, gluon_error=None):
     launched = []
 
     def gluon(*args, **kwargs):
+        launched.append("gluon" if gluon_error is None else "gluon (failed)")
         if gluon_error is not None:
             raise gluon_error
-        launched.append("gluon")
 
     def triton_launch(kernel, grid_of, q, c, args):
         launched.append(("DELTA" if c["DELTA_PASS"] else "") + ("DQ" if c["DO_DQ"] else "")
@@ -291,9 +293,11 @@ def test_gluon_dkv_build_failure_falls_back_to_the_triton_pass_once(monkeypatch)
     launched, args = _stub_bwd(monkeypatch, PTXASError("this Triton cannot build the Gluon kernel"))
     with pytest.warns(RuntimeWarning, match="Gluon dKV kernel could not be built for D=512"):
         _run(args, sat.BWD_CONFIGS[512])
-    assert launched == ["DELTA", "DQ", "DKV"] and (512, torch.bfloat16) in sat.GLUON_BWD_FAILED
-    _run(args, sat.BWD_CONFIGS[512])                                      # not tried again, no second warning
-    assert launched == ["DELTA", "DQ", "DKV"] * 2
+    assert launched == ["DELTA", "DQ", "gluon (failed)", "DKV"] and (512, torch.bfloat16) in sat.GLUON_BWD_FAILED
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                    # not tried again, no second warning
+        _run(args, sat.BWD_CONFIGS[512])
+    assert launched == ["DELTA", "DQ", "gluon (failed)", "DKV", "DELTA", "DQ", "DKV"]
     with pytest.raises(PTXASError, match="cannot build"):                 # an explicit request raises
         _run(args, _dkv_config("gluon"))
 
@@ -302,16 +306,16 @@ def test_gluon_dkv_does_not_hide_errors_that_are_not_build_failures(monkeypatch)
     launched, args = _stub_bwd(monkeypatch, ValueError("a bug, not a build failure"))
     with pytest.raises(ValueError, match="a bug"):
         _run(args, sat.BWD_CONFIGS[512])
-    assert launched == ["DELTA", "DQ"] and sat.GLUON_BWD_FAILED == {}
+    assert launched == ["DELTA", "DQ", "gluon (failed)"] and sat.GLUON_BWD_FAILED == {}
 
 
 def test_gluon_dkv_refusals(monkeypatch):
     _, args = _stub_bwd(monkeypatch, AssertionError("must not run"))
     with pytest.raises(ValueError, match="no deterministic mode"):
         _run(args, _dkv_config("gluon"), deterministic=True)
-    with pytest.raises(ValueError, match="for the dKV pass only.*got 'gluon'"):
+    with pytest.raises(ValueError, match="KERNEL of pass 'DELTA' must be .* 'triton' for the others, got 'gluon'"):
         _run(args, dict(_dkv_config("gluon"), DELTA=dict(KERNEL="gluon")))
-    with pytest.raises(ValueError, match="must be 'triton'.*got 'cuda'"):
+    with pytest.raises(ValueError, match="must be 'auto', 'gluon' or 'triton' for the dKV pass.*got 'cuda'"):
         _run(args, _dkv_config("cuda"))
     monkeypatch.setattr(gluon_hopper_bwd, "available", lambda q: False)
     with pytest.raises(ValueError, match="needs Gluon, an SM90 GPU"):
@@ -320,7 +324,9 @@ def test_gluon_dkv_refusals(monkeypatch):
 
 def test_gluon_dkv_config_keys_are_checked():
     q = torch.zeros(2, 64, 512, dtype=torch.bfloat16)
-    for bad, match in ((dict(BLOCK_DV=64), r"unknown keys \['BLOCK_DV'\]"), (dict(BLOCK_N=64), "BLOCK_N must be 16 or 32"),
-                       (dict(STAGES=3), "STAGES must be even and >= 2, got 3")):
+    for bad, match in ((dict(BLOCK_DV=64), r"unknown keys \['BLOCK_DV'\]"),
+                       (dict(BLOCK_N=64), "BLOCK_N must be 16 or 32"),
+                       (dict(STAGES=3), "STAGES must be even and >= 2, got 3"),
+                       (dict(STAGES=4), "STAGES=4 x BLOCK_N=32 needs 278528 bytes of shared memory at D=512")):
         with pytest.raises(ValueError, match=match):
             gluon_hopper_bwd.launch_dkv(q, None, None, None, None, None, None, 0.1, bad)

@@ -323,6 +323,9 @@ def _select(orders, first, visible, table, shift: int, out: torch.Tensor, config
     ``tl.topk`` (default: under the CPU interpreter only; quadratic in KP and TILE)."""
     rows_c, width = orders.shape
     topk = out.shape[1]
+    select_tile = config["SELECT_TILE"]
+    if select_tile < 1 or select_tile & (select_tile - 1):
+        raise ValueError(f"indexer top-k config: SELECT_TILE must be a power of two, got {select_tile}")
     kp = _select_width(topk)
     # Tiles of at most SELECT_TILE columns (at least 2 KP: tau needs K columns), SELECT_BLOCK elements per program.
     tile = max(min(config["SELECT_TILE"], triton.next_power_of_2(width)), 2 * kp)
@@ -366,6 +369,7 @@ def indexer_topk_ranges_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
         for s, e in query_chunks(T, width, out_width, budget):
             orders = _score_orders(q[s:e], k, w[s:e], first[s:e], visible[s:e], table, shift, width, config)
             _select(orders, first[s:e], visible[s:e], table, shift, out[s:e], config)
+            del orders                         # freed before the next chunk's buffer is allocated
     return out
 
 

@@ -102,13 +102,13 @@ if _IMPORTED:
         gl.store(OUT + t * H * D + h_o.to(gl.int64)[:, None] * D + c_o[None, :], staging.load(st_layout))
 
     @gluon.jit
-    def _program_row(H):
+    def program_row(H):
         # (query row t as int64, head block hb) of this program: one program per (row, 64-head block).
         pid = gl.program_id(0)
         return (pid // (H // BLOCK_H_C)).to(gl.int64), pid % (H // BLOCK_H_C)
 
     @gluon.jit
-    def _mbarriers(n: gl.constexpr, count: gl.constexpr):
+    def mbarriers(n: gl.constexpr, count: gl.constexpr):
         # n mbarriers in shared memory, each completing a phase after ``count`` arrivals.
         bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(n):
@@ -130,17 +130,13 @@ if _IMPORTED:
     @gluon.jit
     def _pp_producer(Q, KV, IDX, H, K, t, hb, q_smem, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr):
-        # Producer warpgroup (both kernels): q, then every block's rows into ring stage b % STAGES once the
-        # consumers have released it (empty[stage]); each thread's cp.async completions arrive on full[stage]
-        # (count 128). Block b + 1's slot indices are loaded right after block b's copies are issued, so their
-        # global-load latency passes while the producer waits for the next free stage (profiled on the H200: the
-        # index loads issued after the wait were the producer's main stall). BLOCK_N is 16, 32 or 64.
-        _copy_heads(Q, H, t, hb, q_smem, D)
+        # Producer warpgroup of the attention forward and the teacher mass: q, then the ring (ring_gather).
+        copy_heads(Q, H, t, hb, q_smem, D)
         async_copy.commit_group()           # waited for below even when K == 0 (no block arrives on full[])
-        _ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, STAGES)
+        ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, STAGES)
 
     @gluon.jit
-    def _copy_heads(X, H, t, hb, x_smem, D: gl.constexpr):
+    def copy_heads(X, H, t, hb, x_smem, D: gl.constexpr):
         # cp.async of the 64 heads of head block hb of row t of X (T, H, D) into x_smem (not committed).
         io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, io))
@@ -148,9 +144,14 @@ if _IMPORTED:
         async_copy.async_copy_global_to_shared(x_smem, X + t * H * D + heads.to(gl.int64)[:, None] * D + cols[None, :])
 
     @gluon.jit
-    def _ring_gather(KV, IDX, K, t, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
+    def ring_gather(KV, IDX, K, t, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr):
-        # The producer's loop: block b's rows into ring stage b % STAGES once it is free (see _pp_producer).
+        # The producers' loop (attention forward, teacher mass, backward dKV): every block's rows into ring stage
+        # b % STAGES once the consumers have released it (empty[stage]); each thread's cp.async completions arrive
+        # on full[stage] (count 128; the first arrival also covers copies committed before the loop, e.g. q).
+        # Block b + 1's slot indices are loaded right after block b's copies are issued, so their global-load
+        # latency passes while the producer waits for the next free stage (profiled on the H200: the index loads
+        # issued after the wait were the producer's main stall). BLOCK_N is 16, 32 or 64.
         io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         n_layout: gl.constexpr = gl.SliceLayout(1, io)
         row_base = t * K
@@ -289,7 +290,7 @@ if _IMPORTED:
                                D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                num_warps: gl.constexpr, REGS: gl.constexpr):
         # Three warpgroups: this partition and a worker are the consumers (_pp_consumer), a worker gathers.
-        t, hb = _program_row(H)
+        t, hb = program_row(H)
         dtype: gl.constexpr = Q.dtype.element_ty
         q_all = gl.allocate_shared_memory(dtype, [1, BLOCK_H_C, D],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
@@ -298,10 +299,10 @@ if _IMPORTED:
         p_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, BLOCK_N], dtype))
         stats = gl.allocate_shared_memory(gl.float32, [6, BLOCK_H_C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        full = _mbarriers(STAGES, 128)          # the producer's 128 threads' cp.async completions
-        empty = _mbarriers(STAGES, 2)           # both consumers done with the stage
-        pready = _mbarriers(2, 1)
-        pfree = _mbarriers(2, 2)
+        full = mbarriers(STAGES, 128)          # the producer's 128 threads' cp.async completions
+        empty = mbarriers(STAGES, 2)           # both consumers done with the stage
+        pready = mbarriers(2, 1)
+        pfree = mbarriers(2, 2)
         gl.warp_specialize([
             (_pp_consumer, (IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats, full, empty,
                             pready, pfree, gl.constexpr(0), D, BLOCK_N, STAGES)),
@@ -341,14 +342,14 @@ if _IMPORTED:
                             D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
                             REGS: gl.constexpr):
         # MASS: (H // 64, T, K) fp32, one plane per head block (summed by the caller).
-        t, hb = _program_row(H)
+        t, hb = program_row(H)
         dtype: gl.constexpr = Q.dtype.element_ty
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H_C, D],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
         ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
-        full = _mbarriers(STAGES, 128)
-        empty = _mbarriers(STAGES, 1)           # each stage is used by one consumer
+        full = mbarriers(STAGES, 128)
+        empty = mbarriers(STAGES, 1)           # each stage is used by one consumer
         plane = MASS + hb.to(gl.int64) * (gl.num_programs(0) // (H // BLOCK_H_C)) * K    # this head block's (T, K)
         gl.warp_specialize([
             (_mass_consumer, (IDX, FULL_LSE, plane, H, K, qk_scale, t, hb, q_smem, ring, full, empty,

@@ -7,14 +7,15 @@ valid slot k of row t, ``scale * dz[:, k]^T q[t] + p[:, k]^T dO[t]`` with ``p = 
 and ``dz = p * (dO.kv - delta)``; the operands of the two products are rounded to the input dtype (fp32 sums), as
 in the Triton kernels. fp32 atomic adds, relaxed order (nothing reads dKV before the kernel ends).
 
-Why: the Triton dKV pass runs at 131 TFLOP/s, and not because of its atomics (the same pass with plain stores takes
-the same time, BENCHMARKS.md, sixth session) but because its GEMMs carry a BLOCK_N x D fp32 accumulator through
-registers and load each gathered tile synchronously.
+Why: the best Triton dKV pass takes 39.3 ms at T = 32768, H = 64, K = 640 (H200), and not because of its atomics
+(plain stores in their place take the same time, BENCHMARKS.md, sixth session): it loads each gathered tile
+synchronously and runs its GEMMs one after the other in one warpgroup set. Here a producer gathers asynchronously
+and two consumers overlap one's GEMMs with the other's softmax-side work and atomics: 22.7 ms.
 
 Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_specialize``):
 
 - producer: q and dO of the head block, then the kv rows of every BLOCK_N slots into a ring (the forward's
-  producer, :func:`.gluon_hopper._ring_gather`);
+  producer, :func:`.gluon_hopper.ring_gather`);
 - consumer W (W = 0, 1) takes the tiles b = W, W + 2, ... on its own: s = Q K^T and dp = dO K^T (wgmma, M = 64
   heads), releases the ring stage, forms p (fp32, zero at empty slots) and ``scale * dz`` in registers, stores them
   (bf16/fp16) to its shared-memory buffers and forms the tile's dKV^T = q^T dz + dO^T p (M = D columns,
@@ -39,6 +40,7 @@ if gluon_hopper._IMPORTED:
 # p / dz buffers 16 KiB), REGS registers per thread of the worker consumer and of the producer. H200, T = 32768,
 # H = 64, K = 640: 22.7 ms; REGS (232, 24) 22.7; 16-row tiles 26.7.
 DKV_CONFIG = dict(BLOCK_N=32, STAGES=2, REGS=(216, 40))
+SHARED_MEMORY_BYTES = 232448                   # the most one SM90 thread block may allocate
 
 
 def available(q: torch.Tensor) -> bool:
@@ -52,10 +54,10 @@ if gluon_hopper._IMPORTED:
     @gluon.jit
     def _dkv_producer(Q, DO, KV, IDX, H, K, t, hb, q_smem, do_smem, ring, full, empty, D: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        gluon_hopper._copy_heads(Q, H, t, hb, q_smem, D)
-        gluon_hopper._copy_heads(DO, H, t, hb, do_smem, D)
+        gluon_hopper.copy_heads(Q, H, t, hb, q_smem, D)
+        gluon_hopper.copy_heads(DO, H, t, hb, do_smem, D)
         gluon_hopper.async_copy.commit_group()      # the first full[] arrival covers these copies too
-        gluon_hopper._ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, STAGES)
+        gluon_hopper.ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, STAGES)
 
     @gluon.jit
     def _dkv_consumer(IDX, DKV, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf, dz_buf,
@@ -106,7 +108,7 @@ if gluon_hopper._IMPORTED:
     def _sparse_attn_dkv_gluon(Q, DO, KV, IDX, DENOM2, DELTA, DKV, H, K, qk_scale_log2, scale,
                                D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                num_warps: gl.constexpr, REGS: gl.constexpr):
-        t, hb = gluon_hopper._program_row(H)
+        t, hb = gluon_hopper.program_row(H)
         dtype: gl.constexpr = Q.dtype.element_ty
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype)
         q_all = gl.allocate_shared_memory(dtype, [1, BLOCK_H_C, D], x_layout)
@@ -116,8 +118,8 @@ if gluon_hopper._IMPORTED:
         t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, BLOCK_N], dtype)
         p_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)    # one per consumer
         dz_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)
-        full = gluon_hopper._mbarriers(STAGES, 128)
-        empty = gluon_hopper._mbarriers(STAGES, 1)
+        full = gluon_hopper.mbarriers(STAGES, 128)
+        empty = gluon_hopper.mbarriers(STAGES, 1)
         gl.warp_specialize([
             (_dkv_consumer, (IDX, DKV, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf,
                              dz_buf, full, empty, gl.constexpr(0), D, BLOCK_N, STAGES)),
@@ -139,7 +141,13 @@ def launch_dkv(q, do, kv, idx, denom2, delta, dkv, scale, config=None):
         raise ValueError(f"Gluon dKV config: BLOCK_N must be 16 or 32, got {cfg['BLOCK_N']}")
     if cfg["STAGES"] < 2 or cfg["STAGES"] % 2:  # each consumer waits only on the stages of its tiles' parity
         raise ValueError(f"Gluon dKV config: STAGES must be even and >= 2, got {cfg['STAGES']}")
-    T, H, D = q.shape
+    D = q.shape[2]
+    # 2-byte elements of q and dO, the ring, and both consumers' p and dz tiles.
+    smem = 2 * (2 * BLOCK_H * D + cfg["STAGES"] * cfg["BLOCK_N"] * D + 4 * BLOCK_H * cfg["BLOCK_N"])
+    if smem > SHARED_MEMORY_BYTES:              # refused here: under "auto" a launch failure would switch Gluon off
+        raise ValueError(f"Gluon dKV config: STAGES={cfg['STAGES']} x BLOCK_N={cfg['BLOCK_N']} needs {smem} bytes of "
+                         f"shared memory at D={D}, more than the {SHARED_MEMORY_BYTES} of an SM90 block")
+    T, H = q.shape[:2]
     if idx.shape[1] == 0:
         return
     _sparse_attn_dkv_gluon[(T * (H // BLOCK_H),)](

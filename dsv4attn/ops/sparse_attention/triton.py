@@ -29,8 +29,9 @@ atomic traffic is the same in every layout, T * K * D fp32 adds per head block).
   dq + dKV; ``fused2``: both loops in one program) or 9 (``split``: Delta + dq, then a dKV-only launch, so no
   program holds the 64 x 512 fp32 dq accumulator and a dKV tile at once; ``split3``: three launches, the D = 512
   default).
-- on SM90 the dKV launch is the warp-specialised Gluon kernel of :mod:`.gluon_hopper_bwd` by default (a dKV pass
-  override's ``KERNEL``, see BWD_CONFIGS): 25 ms where the Triton pass takes 39 ms at T = 32768, H = 64, K = 640.
+- on SM90 GPUs, for bf16/fp16, H % 64 == 0 and D = 512 outside deterministic mode, the dKV launch is the
+  warp-specialised Gluon kernel of :mod:`.gluon_hopper_bwd` by default (a dKV pass override's ``KERNEL``, see
+  BWD_CONFIGS): 22.7 ms where the best Triton pass takes 39.3 ms at T = 32768, H = 64, K = 640 (H200).
 
 Deterministic backward (``deterministic=True``): the launches that produce dKV store each (row, slot)
 contribution to a fp32 buffer instead (no atomics), over chunks of query rows that bound the buffer to
@@ -80,7 +81,7 @@ BWD_CONFIGS = {
     128: dict(LAYOUT="fused2", BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
     256: dict(LAYOUT="split", BLOCK_N=32, num_warps=8, num_stages=2, RELAXED=True),
     # H200, T = 32768, H = 64, K = 640 (2026-11-30, sixth session), per pass: Delta 8.4 ms (BLOCK_N 64, 4 warps),
-    # dq 15.5 ms (BLOCK_N 64, 8 warps), dKV 25.3 ms by the Gluon kernel on SM90 (KERNEL "auto", below), 39.3 ms by
+    # dq 15.5 ms (BLOCK_N 64, 8 warps), dKV 22.7 ms by the Gluon kernel on SM90 (KERNEL "auto", below), 39.3 ms by
     # the Triton pass (BLOCK_N 32, 4 warps; 42.1-57.0 ms for 23 other tiles; the same with plain stores in place of
     # its atomics, so the GEMMs, not the atomics, set its time). Other layouts at their best: "split" (Delta + dq
     # 31.5, dKV) and "fused" (Delta, dq + dKV 60.5 ms). Earlier: acq_rel atomics 146 ms, "fused2" 92 ms, the first
@@ -111,7 +112,8 @@ BWD_PASSES = {
 }
 # Forward kernel when no config is passed: "auto" (Gluon on SM90 where it applies, else Triton), "gluon" or "triton"
 # (environment variable DSV4ATTN_FORWARD_KERNEL); a config's "KERNEL" key chooses per call (a config without it is a
-# Triton tile config).
+# Triton tile config). "triton" also keeps the other Gluon kernels out (the backward's dKV pass under "auto", the
+# indexer KL's teacher mass).
 FORWARD_KERNEL = os.environ.get("DSV4ATTN_FORWARD_KERNEL", "auto")
 # (D, dtype) -> why the Gluon forward could not be built for it in this process ("auto" then uses Triton for it).
 GLUON_FAILED: dict = {}
@@ -558,10 +560,12 @@ def _use_gluon_dkv(kernel: str, q: torch.Tensor, deterministic: bool) -> bool:
 
 
 def backward_kernels(q: torch.Tensor, config: dict | None = None, deterministic: bool = False) -> str:
-    """What runs the backward for ``q`` (for tables): "triton", or "triton + gluon dKV"."""
+    """What runs (or, after a run, ran) the backward for ``q`` (for tables): "triton", or "triton + gluon dKV"."""
     config = config or BWD_CONFIGS[q.shape[2]]
+    has_dkv_pass = any("DKV" in name.split("+") for name in BWD_PASSES.get(config.get("LAYOUT", "sliced"), ()))
     dkv = config.get("DKV") if isinstance(config.get("DKV"), dict) else {}
-    return "triton + gluon dKV" if _use_gluon_dkv(dkv.get("KERNEL", "triton"), q, deterministic) else "triton"
+    gluon = has_dkv_pass and _use_gluon_dkv(dkv.get("KERNEL", "triton"), q, deterministic)
+    return "triton + gluon dKV" if gluon else "triton"
 
 
 def _gluon_dkv(q, kv, idx, grad_out, denom2, delta, dkv, scale, cfg: dict, explicit: bool) -> bool:
@@ -619,8 +623,8 @@ def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deter
         cfg = dict(config, **overrides.get(name, {}))
         kernel, gluon_cfg = cfg.pop("KERNEL", "triton"), cfg.pop("GLUON", None)
         if kernel not in ("auto", "gluon", "triton") or (kernel != "triton" and parts != {"DKV"}):
-            raise ValueError(f"backward config: KERNEL of pass {name!r} must be 'triton' ('auto' and 'gluon' are "
-                             f"for the dKV pass only), got {kernel!r}")
+            raise ValueError(f"backward config: KERNEL of pass {name!r} must be 'auto', 'gluon' or 'triton' for the "
+                             f"dKV pass, 'triton' for the others, got {kernel!r}")
         if _use_gluon_dkv(kernel, q, deterministic):
             if _gluon_dkv(q, kv_read, idx, grad_out, denom2, delta, dkv, scale, gluon_cfg, kernel == "gluon"):
                 continue
