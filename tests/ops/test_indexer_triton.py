@@ -481,29 +481,43 @@ def test_score_kernel_choice(monkeypatch):
 
 
 @needs_cuda
-def test_cuda_gluon_score_orders_match_triton():
-    """The Gluon score kernel's orders against the Triton kernel's on a ragged Flash-geometry pack: equal scores up to
-    fp32 summation order (SCORE_RTOL of the row's largest), and nothing written past a row's candidates."""
+@pytest.mark.parametrize("values", ["int", "randn"])
+def test_cuda_gluon_score_orders_match_triton(values, monkeypatch):
+    """The Gluon score kernel's orders against the Triton kernel's on a ragged Flash-geometry pack, seen through a
+    permutation table with a shift and with T not a multiple of the 64-row block: equal orders (integer inputs:
+    exact scores in any summation order) or scores within FLASH_SCORE_RTOL of the row's largest (random inputs), nothing
+    written past a row's candidates, and the Gluon kernel did run."""
     from dsv4attn.ops.indexer import gluon_hopper as gluon_scores
     from dsv4attn.ops.indexer import triton as ix_triton
-    q, k, w, candidates, _ = _flash_inputs(torch.bfloat16, seed=int.from_bytes(os.urandom(2), "little"))
+    seed = int.from_bytes(os.urandom(2), "little")
+    q, k, w, candidates, _ = _flash_inputs(torch.bfloat16, values=values, seed=seed)
     if not gluon_scores.available(q, k):
         pytest.skip("needs an SM90 GPU and Triton's Gluon")
-    first, visible, table, shift = ix_triton.contiguous_ranges(candidates)
+    calls = []
+    real = gluon_scores.launch_orders
+    monkeypatch.setattr(gluon_scores, "launch_orders", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(ix_triton, "GLUON_FAILED", {})
+    first, visible, _, _ = ix_triton.contiguous_ranges(candidates)
+    rows = q.shape[0] - 5
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    table = torch.randperm(k.shape[0], device="cuda", generator=gen)
+    k_shifted = torch.cat([k[:3] * 0 + 1, k])                           # shift 3: rows 3.. hold the keys
     width = candidates.width
     got = {}
     for kernel in ("gluon", "triton"):
-        orders = torch.full((q.shape[0], width), 7, dtype=torch.int32, device="cuda")    # 7: "not written"
-        orders = ix_triton._score_orders(q, k, w.float(), first, visible, table, shift, width,
-                                         dict(ix_triton.CONFIG, SCORE_KERNEL=kernel), out=orders)
-        got[kernel] = orders
-    cols = torch.arange(width, device="cuda")[None, :]
-    seen = cols < visible[:, None]
-    assert torch.all(got["gluon"][~seen] == 7), "wrote columns past a row's candidates"
+        orders = torch.full((rows, width), 7, dtype=torch.int32, device="cuda")    # 7: "not written"
+        got[kernel] = ix_triton._score_orders(q[:rows], k_shifted, w[:rows].float(), first[:rows], visible[:rows],
+                                              table, 3, width, dict(ix_triton.CONFIG, SCORE_KERNEL=kernel),
+                                              out=orders)
+    assert calls == [1] and not ix_triton.GLUON_FAILED, ix_triton.GLUON_FAILED
+    seen = torch.arange(width, device="cuda")[None, :] < visible[:rows, None]
+    assert torch.all(got["gluon"][~seen] == 7), f"wrote columns past a row's candidates (seed {seed})"
+    if values == "int":
+        assert torch.equal(got["gluon"][seen], got["triton"][seen]), f"orders differ (seed {seed})"
+        return
 
     def score(order):                       # the inverse of the order map, as fp32
-        bits = torch.where(order >= 0, order, order ^ 0x7FFFFFFF)
-        return bits.view(torch.float32)
+        return torch.where(order >= 0, order, order ^ 0x7FFFFFFF).view(torch.float32)
     a, b = score(got["gluon"]).where(seen, 0.0), score(got["triton"]).where(seen, 0.0)
     scale = b.abs().amax(1, keepdim=True).clamp(min=1e-30)
-    assert ((a - b).abs() <= SCORE_RTOL * scale).all()
+    assert ((a - b).abs() <= FLASH_SCORE_RTOL * scale).all(), f"scores differ beyond {FLASH_SCORE_RTOL} (seed {seed})"

@@ -15,10 +15,14 @@ the block's first row's first entry), three warpgroups:
   N = 128 entries, K = 128), then acc += w[:, h] * relu(s) (fp32); both consumers read each query stage, which is
   released when both are done (count 2). The weights of the block (64 x 64 fp32) sit in shared memory.
 
+Unlike the Triton kernel, which masks its key loads per needed column, this one gathers the key rows of every entry
+from e0 below the block's largest ``first + visible``, gaps between documents included: ``table`` (if any) must be
+defined there, as the layouts' lowering tables are (every entry below the capacity).
+
 Why: the Triton kernel (7.2 ms at T = 32768, 0.39 of the matmul peak on an H200) loads each head's query tile
 synchronously between its dots. NOT YET RUN ON A GPU (written in the sixth session with the device budget spent;
-compiled offline for sm_90): the first GPU session must run tests/ops/test_indexer_triton.py -k cuda and
-benchmarks/indexer.py before this becomes the default.
+compiled offline for sm_90), yet the default on SM90 on this branch (SCORE_KERNEL "auto"): the first GPU session
+runs tests/ops/test_indexer_triton.py -k cuda and benchmarks/indexer.py before merging it.
 """
 from __future__ import annotations
 
@@ -70,11 +74,11 @@ if attn_gluon._IMPORTED:
                                                    mask=ok[:, None])
 
     @gluon.jit
-    def _score_producer(Q, rows_c, tb, ring, full, empty, STAGES: gl.constexpr):
-        # The 64 heads' query tiles of the block through the ring.
+    def _score_producer(Q, rows_c, tb, n_heads, ring, full, empty, STAGES: gl.constexpr):
+        # The query tiles of the block's heads (n_heads: 64, or 0 for a block no row sees) through the ring.
         io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         cols = gl.arange(0, HEAD_DIM_C, layout=gl.SliceLayout(0, io))
-        for h in range(HEADS_C):
+        for h in range(n_heads):
             stage = h % STAGES
             mbarrier.wait(empty.index(stage), ((h // STAGES) + 1) & 1, pred=h >= STAGES)
             # 16 rows at a time, addresses formed here: a (64, 128) pointer tile kept across the loop would not fit
@@ -89,18 +93,19 @@ if attn_gluon._IMPORTED:
         async_copy.wait_group(0)
 
     @gluon.jit
-    def _score_consumer(FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, k_all, ring, w_smem, full, empty,
+    def _score_consumer(FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, w_smem, full, empty,
                         W: gl.constexpr, STAGES: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HALF_E, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         zero = gl.zeros([BLOCK_T_C, HALF_E], gl.float32, layout=s_layout)
         acc = gl.zeros([BLOCK_T_C, HALF_E], gl.float32, layout=s_layout)
-        for h in range(HEADS_C):
+        for h in range(n_heads):
             stage = h % STAGES
             # A head-dependent zero index on every shared-memory operand keeps the wgmma descriptors inside the
-            # loop (see the attention forward: hoisted, they were spilled).
-            z = (h + 1) // (HEADS_C + 1)
+            # loop (see the attention forward: hoisted, they were spilled); n_heads is a runtime value, so it is
+            # not folded to a constant.
+            z = (h + 1) // (n_heads + 1)
             mbarrier.wait(full.index(stage), (h // STAGES) & 1)
             fence_async_shared()
             k_t = k_all.index(z).slice(W * HALF_E, HALF_E, dim=0).permute((1, 0))   # (128 dims, 128 entries)
@@ -135,6 +140,8 @@ if attn_gluon._IMPORTED:
         ends = gl.load(FIRST + rows, mask=row_ok, other=0).to(gl.int64) + \
             gl.load(VISIBLE + rows, mask=row_ok, other=0).to(gl.int64)
         needed = gl.minimum(gl.maximum(gl.max(ends, 0) - e0, 0), 2 * HALF_E)
+        # A block that no row sees (most of the grid's upper triangle) skips its products: nothing is stored there.
+        n_heads = gl.where(needed > 0, HEADS_C, 0)
         w_smem = gl.allocate_shared_memory(gl.float32, [HEADS_C, BLOCK_T_C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         w_rows = W_ + rows.to(gl.int64) * HEADS_C
         for h in range(HEADS_C):
@@ -151,11 +158,11 @@ if attn_gluon._IMPORTED:
         async_copy.wait_group(0)
         gl.thread_barrier()
         gl.warp_specialize([
-            (_score_consumer, (FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, k_all, ring, w_smem, full, empty,
-                               gl.constexpr(0), STAGES)),
-            (_score_consumer, (FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, k_all, ring, w_smem, full, empty,
-                               gl.constexpr(1), STAGES)),
-            (_score_producer, (Q, rows_c, tb, ring, full, empty, STAGES))],
+            (_score_consumer, (FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, w_smem, full,
+                               empty, gl.constexpr(0), STAGES)),
+            (_score_consumer, (FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, w_smem, full,
+                               empty, gl.constexpr(1), STAGES)),
+            (_score_producer, (Q, rows_c, tb, n_heads, ring, full, empty, STAGES))],
             [4, 4], [REGS[0], REGS[1]])
 
 
