@@ -67,7 +67,7 @@ def check(T: int, cfg, doc_len: int, log) -> None:
     torch.cuda.empty_cache()
 
 
-def bench(T: int, cfg, doc_len: int, log, with_reference: bool, config=None, tag: str = "triton") -> None:
+def bench(T: int, cfg, doc_len: int, log, with_reference: bool, config=None, tag: str | None = None) -> None:
     from dsv4attn.ops.indexer import triton as ixt
     from dsv4attn.ops.indexer.reference import indexer_topk_reference
     q, k, w, cand, pairs = make_inputs(T, doc_len, cfg)
@@ -87,6 +87,11 @@ def bench(T: int, cfg, doc_len: int, log, with_reference: bool, config=None, tag
 
     ms = time_ms(full)
     score_ms = time_ms(scores_only)
+    if tag is None:       # which score kernel ran (after the run: a Gluon build failure has been recorded by then)
+        gluon = ixt._use_gluon_scores(q, k, config)
+        tag = f"{'gluon' if gluon else 'triton'} scores"
+        if ixt.GLUON_FAILED:
+            log(f"  (Gluon score kernel could not be built: {ixt.GLUON_FAILED})")
     mem = peak_mib(full)
     shape = f"T={T} doc={doc_len or T} Hi={Hi} Di={Di} k={topk} chunks={len(chunks)}"
     log(f"| {tag} | {shape} | {pairs:.3e} | {ms:9.2f} | {score_ms:9.2f} | {ms - score_ms:9.2f} | "
@@ -106,12 +111,15 @@ SWEEP = [dict(BLOCK_T=t, BLOCK_E=e, num_warps=nw, num_stages=ns)
                               (128, 128, 8, 2), (64, 256, 8, 2), (32, 128, 4, 3)]]
 # Select kernel variants (the score kernel at its default): columns per tile, elements per program tile, warps.
 SWEEP += [dict(SELECT_TILE=c, SELECT_BLOCK=c, SELECT_WARPS=nw) for c, nw in [(1024, 8), (2048, 4), (2048, 8)]]
+# The Triton score tiles are timed with SCORE_KERNEL="triton" (on SM90 "auto" takes the Gluon score kernel); the
+# first of them is the Triton default, to set beside the Gluon kernel of the main row.
+SWEEP = [dict(SCORE_KERNEL="triton", **c) for c in SWEEP[:7]] + SWEEP[7:]
 
 
 def sweep(T: int, cfg, doc_len: int, log) -> None:
     for config in SWEEP:
         try:
-            bench(T, cfg, doc_len, log, with_reference=False, config=config, tag=f"triton {config}")
+            bench(T, cfg, doc_len, log, with_reference=False, config=config, tag=f"sweep {config}")
         except Exception as exc:                                           # noqa: BLE001 - report and go on
             log(f"sweep {config}: failed {type(exc).__name__}: {str(exc)[:200]}")
         torch.cuda.empty_cache()

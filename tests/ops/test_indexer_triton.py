@@ -291,7 +291,7 @@ def _worker() -> None:
     with OpLog() as log:
         ix_triton.indexer_topk_triton(q, k, w, candidates, 5)
     plumbing["runs_registered_op"] = "dsv4attn.indexer_topk_ranges.default" in log.names
-    tiles = [SMALL[key] for key in ix_triton.TILE_KEYS]
+    tiles = ix_triton._tile_list(dict(ix_triton.CONFIG, **SMALL))
     c = CASES["fp32-H5-D32-top4-rows-table"]
     qt, kt, wt, cand_t, _ = _make(c, 8)
     opchecks = [torch.library.opcheck(ix_triton.indexer_topk_ranges_op,
@@ -454,3 +454,70 @@ def test_select_tile_must_be_a_power_of_two():
     config = dict(ix_triton.CONFIG, SELECT_TILE=48)
     with pytest.raises(ValueError, match="SELECT_TILE must be a power of two, got 48"):
         ix_triton._select(orders, rows, rows, None, 0, torch.empty(2, 4, dtype=torch.int32), config)
+
+
+def test_score_kernel_choice(monkeypatch):
+    """SCORE_KERNEL: "auto" takes the Gluon score kernel only where it applies (and DSV4ATTN_FORWARD_KERNEL is not
+    "triton", and it has not failed to build); "gluon" raises where it cannot run; other values are refused."""
+    from dsv4attn.ops.indexer import gluon_hopper as gluon_scores
+    from dsv4attn.ops.indexer import triton as ix_triton
+    from dsv4attn.ops.sparse_attention import triton as sparse_triton
+    q, k = torch.zeros(2, 64, 128, dtype=torch.bfloat16), torch.zeros(3, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(ix_triton, "GLUON_FAILED", {})
+    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "auto")
+    assert not ix_triton._use_gluon_scores(q, k, {"SCORE_KERNEL": "auto"})              # CPU tensors: not available
+    with pytest.raises(ValueError, match="SCORE_KERNEL='gluon' needs Gluon, an SM90 GPU"):
+        ix_triton._use_gluon_scores(q, k, {"SCORE_KERNEL": "gluon"})
+    monkeypatch.setattr(gluon_scores, "available", lambda q, k: True)
+    assert ix_triton._use_gluon_scores(q, k, {"SCORE_KERNEL": "auto"})
+    assert not ix_triton._use_gluon_scores(q, k, {"SCORE_KERNEL": "triton"})
+    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "triton")
+    assert not ix_triton._use_gluon_scores(q, k, {"SCORE_KERNEL": "auto"})
+    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "auto")
+    monkeypatch.setitem(ix_triton.GLUON_FAILED, (128, torch.bfloat16), "no build")
+    assert not ix_triton._use_gluon_scores(q, k, {"SCORE_KERNEL": "auto"})
+    with pytest.raises(ValueError, match="SCORE_KERNEL must be one of .*got 'fast'"):
+        ix_triton._tile_list(dict(ix_triton.CONFIG, SCORE_KERNEL="fast"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("values", ["int", "randn"])
+def test_cuda_gluon_score_orders_match_triton(values, monkeypatch):
+    """The Gluon score kernel's orders against the Triton kernel's on a ragged Flash-geometry pack, seen through a
+    permutation table with a shift and with T not a multiple of the 64-row block: equal orders (integer inputs:
+    exact scores in any summation order) or scores within FLASH_SCORE_RTOL of the row's largest (random inputs), nothing
+    written past a row's candidates, and the Gluon kernel did run."""
+    from dsv4attn.ops.indexer import gluon_hopper as gluon_scores
+    from dsv4attn.ops.indexer import triton as ix_triton
+    seed = int.from_bytes(os.urandom(2), "little")
+    q, k, w, candidates, _ = _flash_inputs(torch.bfloat16, values=values, seed=seed)
+    if not gluon_scores.available(q, k):
+        pytest.skip("needs an SM90 GPU and Triton's Gluon")
+    calls = []
+    real = gluon_scores.launch_orders
+    monkeypatch.setattr(gluon_scores, "launch_orders", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(ix_triton, "GLUON_FAILED", {})
+    first, visible, _, _ = ix_triton.contiguous_ranges(candidates)
+    rows = q.shape[0] - 5
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    table = torch.randperm(k.shape[0], device="cuda", generator=gen)
+    k_shifted = torch.cat([k[:3] * 0 + 1, k])                           # shift 3: rows 3.. hold the keys
+    width = candidates.width
+    got = {}
+    for kernel in ("gluon", "triton"):
+        orders = torch.full((rows, width), 7, dtype=torch.int32, device="cuda")    # 7: "not written"
+        got[kernel] = ix_triton._score_orders(q[:rows], k_shifted, w[:rows].float(), first[:rows], visible[:rows],
+                                              table, 3, width, dict(ix_triton.CONFIG, SCORE_KERNEL=kernel),
+                                              out=orders)
+    assert calls == [1] and not ix_triton.GLUON_FAILED, ix_triton.GLUON_FAILED
+    seen = torch.arange(width, device="cuda")[None, :] < visible[:rows, None]
+    assert torch.all(got["gluon"][~seen] == 7), f"wrote columns past a row's candidates (seed {seed})"
+    if values == "int":
+        assert torch.equal(got["gluon"][seen], got["triton"][seen]), f"orders differ (seed {seed})"
+        return
+
+    def score(order):                       # the inverse of the order map, as fp32
+        return torch.where(order >= 0, order, order ^ 0x7FFFFFFF).view(torch.float32)
+    a, b = score(got["gluon"]).where(seen, 0.0), score(got["triton"]).where(seen, 0.0)
+    scale = b.abs().amax(1, keepdim=True).clamp(min=1e-30)
+    assert ((a - b).abs() <= FLASH_SCORE_RTOL * scale).all(), f"scores differ beyond {FLASH_SCORE_RTOL} (seed {seed})"

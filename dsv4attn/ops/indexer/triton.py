@@ -16,7 +16,8 @@ memory is O(T * topk + chunk), not O(T^2)):
    the grid covers ``2 * width + BLOCK_T`` entries). For each index head h it adds ``w[t, h] * relu(q_h . k)`` to
    a fp32 accumulator, then writes, in row-relative coordinates ``j = entry - first[t] < visible[t]``, the int32
    ``order(score)``: the fp32 bits mapped to an int32 with the same order. Columns ``j >= visible[t]`` are not
-   written (the select kernel never reads them).
+   written (the select kernel never reads them). On SM90, for bf16/fp16 and the Flash indexer geometry, the
+   warp-specialised Gluon kernel of :mod:`.gluon_hopper` writes the same orders (config ``SCORE_KERNEL``).
 2. ``_topk_select_kernel``: streams over each query row's ``visible[t]`` orders in tiles of ``TILE`` columns (one
    row per program when rows are long; several, as (rows, TILE) tiles, when they are short). The best K of a row are
    the K largest sort keys ``order << 32 | (2^32 - 1 - j)`` (distinct in a row: larger = higher score, and among
@@ -59,20 +60,28 @@ from ... import backend
 from ..triton_common import dot, dot_mode, interpreting
 from ..index_sets import IndexSet, Rows, Stack, VisibleCompressed, chunk_rows
 from .reference import indexer_topk_reference
+from . import gluon_hopper as gluon_scores
+from ..sparse_attention import triton as sparse_triton
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Score kernel: BLOCK_T query rows x BLOCK_E entries per program. Select kernel: at most SELECT_TILE columns per tile,
 # (rows x columns) tiles of SELECT_BLOCK elements (several rows per program when rows are short), SELECT_WARPS.
 # Benchmarks may pass another config.
 CONFIG = dict(BLOCK_T=64, BLOCK_E=128, num_warps=8, num_stages=3, SELECT_TILE=1024, SELECT_BLOCK=1024,
-              SELECT_WARPS=4)
+              SELECT_WARPS=4, SCORE_KERNEL="auto")
+# SCORE_KERNEL: "auto" (the Gluon score kernel of :mod:`.gluon_hopper` on SM90 where it applies, else the Triton one),
+# "gluon" or "triton"; passed to the custom op as its index in this tuple.
+SCORE_KERNELS = ("auto", "gluon", "triton")
 # The order in which the op's ``tiles`` argument lists a config (a custom op's schema takes no dicts).
-TILE_KEYS = ("BLOCK_T", "BLOCK_E", "num_warps", "num_stages", "SELECT_TILE", "SELECT_BLOCK", "SELECT_WARPS")
+TILE_KEYS = ("BLOCK_T", "BLOCK_E", "num_warps", "num_stages", "SELECT_TILE", "SELECT_BLOCK", "SELECT_WARPS",
+             "SCORE_KERNEL")
 # int32 words of one chunk's buffers (the orders, and the select kernel's int64 scratch): 2^27 words = 512 MiB.
 ORDER_BUDGET = 1 << 27
 INT32_MIN = tl.constexpr(-2**31)
 INT64_MIN = tl.constexpr(-2**63)
 NEG_INF_ORDER = tl.constexpr(-2139095041)      # order(-inf): 0xFF800000 with the low 31 bits flipped, as int32
+# (Di, dtype) -> why the Gluon score kernel could not be built here ("auto" then uses the Triton kernel).
+GLUON_FAILED: dict = {}
 
 
 @triton.jit
@@ -275,12 +284,23 @@ def contiguous_ranges(candidates: IndexSet):
     return first.contiguous(), visible.contiguous(), table, int(shift)
 
 
-def _score_orders(q, k, w, first, visible, table, shift: int, width: int, config: dict) -> torch.Tensor:
-    """(rows, width) int32 score orders of the query rows in ``q``, written where ``j < visible`` (module doc)."""
+def _score_orders(q, k, w, first, visible, table, shift: int, width: int, config: dict,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """(rows, width) int32 score orders of the query rows in ``q``, written where ``j < visible`` (module doc), into
+    ``out`` if given."""
     rows_c, H, Di = q.shape
-    orders = torch.empty(rows_c, width, dtype=torch.int32, device=q.device)
+    orders = out if out is not None else torch.empty(rows_c, width, dtype=torch.int32, device=q.device)
     if rows_c == 0:
         return orders
+    if _use_gluon_scores(q, k, config):
+        try:
+            gluon_scores.launch_orders(q, k, w, first, visible, table, shift, width, orders)
+            return orders
+        except Exception as exc:
+            if config.get("SCORE_KERNEL") == "gluon":      # an explicit request raises
+                raise
+            sparse_triton.note_gluon_build_failure(exc, GLUON_FAILED, q.shape[2], q.dtype, "indexer score kernel",
+                                                   "using the Triton kernel")
     launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
     block_t, block_e = config["BLOCK_T"], config["BLOCK_E"]
     # A block of rows spans at most width + BLOCK_T / 4 entries past its first row's first entry (module doc).
@@ -302,6 +322,17 @@ def _score_orders(q, k, w, first, visible, table, shift: int, width: int, config
                 grid = (triton.cdiv(2 * width + block_t, block_e), grid[1])
             else:
                 raise
+
+
+def _use_gluon_scores(q, k, config: dict) -> bool:
+    """The Gluon score kernel (:mod:`.gluon_hopper`) under ``config["SCORE_KERNEL"]`` "auto" where it applies and has
+    not failed to build (DSV4ATTN_FORWARD_KERNEL=triton keeps it out), always under "gluon", never under "triton"."""
+    choice = config.get("SCORE_KERNEL", "auto")
+    if choice == "gluon" and not gluon_scores.available(q, k):
+        raise ValueError("indexer top-k config: SCORE_KERNEL='gluon' needs Gluon, an SM90 GPU, bf16/fp16 q and k of "
+                         f"one dtype and 64 heads of 128; got q {tuple(q.shape)} {q.dtype}, k {k.dtype} on {q.device}")
+    return choice == "gluon" or (choice == "auto" and sparse_triton.FORWARD_KERNEL != "triton"
+                                 and gluon_scores.available(q, k) and (q.shape[2], q.dtype) not in GLUON_FAILED)
 
 
 def _select_width(topk: int) -> int:
@@ -364,7 +395,7 @@ def indexer_topk_ranges_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
     q, k, w = q.contiguous(), k.contiguous(), weights.float().contiguous()
     first, visible = first.contiguous(), visible.contiguous()
     table = None if table is None else table.contiguous()
-    config = dict(zip(TILE_KEYS, tiles))
+    config = dict(zip(TILE_KEYS, tiles), SCORE_KERNEL=SCORE_KERNELS[tiles[TILE_KEYS.index("SCORE_KERNEL")]])
     with backend.exact_math(q.device):
         for s, e in query_chunks(T, width, out_width, budget):
             orders = _score_orders(q[s:e], k, w[s:e], first[s:e], visible[s:e], table, shift, width, config)
@@ -376,6 +407,14 @@ def indexer_topk_ranges_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
 @indexer_topk_ranges_op.register_fake
 def _indexer_topk_ranges_fake(q, k, weights, first, visible, table, shift, width, topk, tiles, budget):
     return q.new_empty((q.shape[0], min(topk, width)), dtype=torch.int32)
+
+
+def _tile_list(config: dict) -> list[int]:
+    """The op's ``tiles`` argument: the config's values in TILE_KEYS order (SCORE_KERNEL as its SCORE_KERNELS index)."""
+    if config["SCORE_KERNEL"] not in SCORE_KERNELS:
+        raise ValueError(f"indexer top-k config: SCORE_KERNEL must be one of {SCORE_KERNELS}, got "
+                         f"{config['SCORE_KERNEL']!r}")
+    return [SCORE_KERNELS.index(config[key]) if key == "SCORE_KERNEL" else int(config[key]) for key in TILE_KEYS]
 
 
 def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, candidates: IndexSet,
@@ -411,7 +450,7 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     first, visible, table, shift = ranges
     config = dict(CONFIG, **(config or {}))
     return indexer_topk_ranges_op(q, k, weights, first, visible, table, shift, candidates.width, topk,
-                                  [int(config[key]) for key in TILE_KEYS], budget or ORDER_BUDGET)
+                                  _tile_list(config), budget or ORDER_BUDGET)
 
 
 backend.register_kernel("indexer_topk", indexer_topk_triton)

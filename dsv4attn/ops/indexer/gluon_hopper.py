@@ -1,0 +1,177 @@
+"""Lightning-indexer score orders for Hopper (SM90) in Gluon: the first kernel of the Triton top-k, warp-specialised.
+
+Contract (that of ``triton._indexer_orders_kernel``): ``q (rows, 64, 128)`` bf16/fp16, ``k (Nk, 128)`` in q's dtype,
+``w (rows, 64)`` fp32, ``first``, ``visible (rows,)`` int, optional ``table`` and ``shift`` (row t's candidates are
+layout entries ``first[t] + j``, ``j < visible[t]``, key row ``(table[e] if table else e) + shift``) -> writes
+``orders[t, j]`` (int32, the signed order of the fp32 score ``sum_h w[t, h] * relu(q[t, h] . k[row])``, heads summed
+in increasing order) for every ``j < visible[t]``; other columns are not written.
+
+Layout: one program per (64 query rows, 256 layout entries), the grid of the Triton kernel (entries counted from
+the block's first row's first entry), three warpgroups:
+
+- producer: gathers the 256 key rows once (cp.async), then streams the 64 heads' query tiles (64 rows x 128) through
+  a ring of STAGES shared-memory stages;
+- consumer W (W = 0, 1) owns entries [128 W, 128 W + 128): for every head, s = Q_h K_W^T (wgmma, M = 64 rows,
+  N = 128 entries, K = 128), then acc += w[:, h] * relu(s) (fp32); both consumers read each query stage, which is
+  released when both are done (count 2). The weights of the block (64 x 64 fp32) sit in shared memory.
+
+Unlike the Triton kernel, which masks its key loads per needed column, this one gathers the key rows of every entry
+from e0 below the block's largest ``first + visible``, gaps between documents included: ``table`` (if any) must be
+defined there, as the layouts' lowering tables are (every entry below the capacity).
+
+Why: the Triton kernel (7.2 ms at T = 32768, 0.39 of the matmul peak on an H200) loads each head's query tile
+synchronously between its dots. NOT YET RUN ON A GPU (written in the sixth session with the device budget spent;
+compiled offline for sm_90), yet the default on SM90 on this branch (SCORE_KERNEL "auto"): the first GPU session
+runs tests/ops/test_indexer_triton.py -k cuda and benchmarks/indexer.py before merging it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..sparse_attention import gluon_hopper as attn_gluon
+
+if attn_gluon._IMPORTED:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+
+BLOCK_T, BLOCK_E, HEADS, HEAD_DIM = 64, 256, 64, 128
+# STAGES: query tiles in flight (16 KiB each); REGS: registers per thread of the worker consumer and the producer.
+CONFIG = dict(STAGES=4, REGS=(216, 40))
+
+
+def available(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """True when :func:`launch_orders` can run: Gluon imported, SM90, bf16/fp16 q and k of one dtype, the Flash
+    indexer geometry (64 heads of 128)."""
+    if not attn_gluon._IMPORTED or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if k.dtype != q.dtype or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return tuple(q.shape[1:]) == (HEADS, HEAD_DIM)
+
+
+if attn_gluon._IMPORTED:
+    BLOCK_T_C = gl.constexpr(BLOCK_T)
+    HALF_E = gl.constexpr(BLOCK_E // 2)
+    HEADS_C = gl.constexpr(HEADS)
+    HEAD_DIM_C = gl.constexpr(HEAD_DIM)
+
+    @gluon.jit
+    def _gather_keys(K, TABLE, shift, e0, needed, k_smem, HAS_TABLE: gl.constexpr):
+        # cp.async of the key rows of layout entries e0 .. e0 + 256 (16 at a time) into k_smem (not waited for).
+        # Entries no row of the block sees (from ``needed`` on) are not read (zeros; their scores are never stored).
+        io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        cols = gl.arange(0, HEAD_DIM_C, layout=gl.SliceLayout(0, io))
+        for r in gl.static_range(0, 2 * HALF_E, 16):
+            offs = r + gl.arange(0, 16, layout=gl.SliceLayout(1, io)).to(gl.int64)
+            ok = offs < needed
+            e = gl.where(ok, e0 + offs, 0)
+            if HAS_TABLE:
+                e = gl.load(TABLE + e, mask=ok, other=0).to(gl.int64)
+            key_rows = gl.where(ok, e + shift, 0) * HEAD_DIM_C
+            async_copy.async_copy_global_to_shared(k_smem.slice(r, 16, dim=0), K + key_rows[:, None] + cols[None, :],
+                                                   mask=ok[:, None])
+
+    @gluon.jit
+    def _score_producer(Q, rows_c, tb, n_heads, ring, full, empty, STAGES: gl.constexpr):
+        # The query tiles of the block's heads (n_heads: 64, or 0 for a block no row sees) through the ring.
+        io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        cols = gl.arange(0, HEAD_DIM_C, layout=gl.SliceLayout(0, io))
+        for h in range(n_heads):
+            stage = h % STAGES
+            mbarrier.wait(empty.index(stage), ((h // STAGES) + 1) & 1, pred=h >= STAGES)
+            # 16 rows at a time, addresses formed here: a (64, 128) pointer tile kept across the loop would not fit
+            # the producer's registers (it spilled).
+            for r in gl.static_range(0, BLOCK_T_C, 16):
+                rows = tb * BLOCK_T_C + r + gl.arange(0, 16, layout=gl.SliceLayout(1, io))
+                rows = gl.where(rows < rows_c, rows, 0).to(gl.int64)
+                src = Q + rows[:, None] * (HEADS_C * HEAD_DIM_C) + h * HEAD_DIM_C + cols[None, :]
+                async_copy.async_copy_global_to_shared(ring.index(stage).slice(r, 16, dim=0), src)
+            async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
+            async_copy.commit_group()
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _score_consumer(FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, w_smem, full, empty,
+                        W: gl.constexpr, STAGES: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF_E, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        zero = gl.zeros([BLOCK_T_C, HALF_E], gl.float32, layout=s_layout)
+        acc = gl.zeros([BLOCK_T_C, HALF_E], gl.float32, layout=s_layout)
+        for h in range(n_heads):
+            stage = h % STAGES
+            # A head-dependent zero index on every shared-memory operand keeps the wgmma descriptors inside the
+            # loop (see the attention forward: hoisted, they were spilled); n_heads is a runtime value, so it is
+            # not folded to a constant.
+            z = (h + 1) // (n_heads + 1)
+            mbarrier.wait(full.index(stage), (h // STAGES) & 1)
+            fence_async_shared()
+            k_t = k_all.index(z).slice(W * HALF_E, HALF_E, dim=0).permute((1, 0))   # (128 dims, 128 entries)
+            s = warpgroup_mma(ring.index(stage + z), k_t, zero, use_acc=False)
+            mbarrier.arrive(empty.index(stage))
+            w_h = w_smem.index(h + z).load(row_layout)
+            acc += w_h[:, None] * gl.maximum(s, 0.0)
+        # acc starts at +0.0 and the sums never give -0.0: equal scores have equal bits (see the Triton kernel).
+        bits = acc.to(gl.int32, bitcast=True)
+        order = gl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        rows = (tb * BLOCK_T_C + gl.arange(0, BLOCK_T_C, layout=row_layout)).to(gl.int64)
+        row_ok = rows < rows_c
+        first = gl.load(FIRST + rows, mask=row_ok, other=0).to(gl.int64)
+        visible = gl.load(VISIBLE + rows, mask=row_ok, other=0).to(gl.int64)
+        entries = e0 + W * HALF_E + gl.arange(0, HALF_E, layout=gl.SliceLayout(0, s_layout)).to(gl.int64)
+        j = entries[None, :] - first[:, None]
+        valid = (j >= 0) & (j < visible[:, None]) & row_ok[:, None]
+        gl.store(ORDERS + rows[:, None] * width + j, order, mask=valid)
+
+    @gluon.jit
+    def _indexer_orders_gluon(Q, K, W_, FIRST, VISIBLE, TABLE, ORDERS, rows_c, width, shift,
+                              HAS_TABLE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+                              REGS: gl.constexpr):
+        # Entry blocks vary fastest (as in the Triton kernel): neighbouring programs share query rows in L2.
+        eb = gl.program_id(0)
+        tb = gl.program_id(1)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        # The block's weights, one 64-row vector per head, and how many entries from e0 on some row sees.
+        rows = tb * BLOCK_T_C + gl.arange(0, BLOCK_T_C, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        row_ok = rows < rows_c
+        e0 = gl.load(FIRST + tb * BLOCK_T_C).to(gl.int64) + eb * (2 * HALF_E)
+        ends = gl.load(FIRST + rows, mask=row_ok, other=0).to(gl.int64) + \
+            gl.load(VISIBLE + rows, mask=row_ok, other=0).to(gl.int64)
+        needed = gl.minimum(gl.maximum(gl.max(ends, 0) - e0, 0), 2 * HALF_E)
+        # A block that no row sees (most of the grid's upper triangle) skips its products: nothing is stored there.
+        n_heads = gl.where(needed > 0, HEADS_C, 0)
+        w_smem = gl.allocate_shared_memory(gl.float32, [HEADS_C, BLOCK_T_C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        w_rows = W_ + rows.to(gl.int64) * HEADS_C
+        for h in range(HEADS_C):
+            w_smem.index(h).store(gl.load(w_rows + h, mask=row_ok, other=0.0))
+        k_all = gl.allocate_shared_memory(dtype, [1, 2 * HALF_E, HEAD_DIM_C],
+                                          gl.NVMMASharedLayout.get_default_for([2 * HALF_E, HEAD_DIM_C], dtype))
+        ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T_C, HEAD_DIM_C],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_T_C, HEAD_DIM_C], dtype))
+        full = attn_gluon.mbarriers(STAGES, 128)
+        empty = attn_gluon.mbarriers(STAGES, 2)
+        # The keys by this partition, before the split (the producer's 40 registers spilled on these addresses).
+        _gather_keys(K, TABLE, shift, e0, needed, k_all.index(0), HAS_TABLE)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        gl.warp_specialize([
+            (_score_consumer, (FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, w_smem, full,
+                               empty, gl.constexpr(0), STAGES)),
+            (_score_consumer, (FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, w_smem, full,
+                               empty, gl.constexpr(1), STAGES)),
+            (_score_producer, (Q, rows_c, tb, n_heads, ring, full, empty, STAGES))],
+            [4, 4], [REGS[0], REGS[1]])
+
+
+def launch_orders(q, k, w, first, visible, table, shift: int, width: int, orders, config=None) -> None:
+    """Fills ``orders`` (rows, width) int32 where ``j < visible`` (module docstring); arguments as
+    ``triton._score_orders`` takes them (contiguous, w fp32)."""
+    cfg = dict(CONFIG, **(config or {}))
+    rows_c = q.shape[0]
+    grid = ((2 * width + BLOCK_T + BLOCK_E - 1) // BLOCK_E, (rows_c + BLOCK_T - 1) // BLOCK_T)
+    _indexer_orders_gluon[grid](
+        q, k, w, first, visible, table if table is not None else first, orders, rows_c, width, shift,
+        HAS_TABLE=table is not None, STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
