@@ -573,7 +573,12 @@ def test_gpu_sparse_backward_kernels_match_float64_reference(gluon, monkeypatch)
     from dsv4attn.ops.indexer_loss import triton as klt
     from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
 
-    inputs = flash_inputs(4096, "sparse", seed=2)
+    from dsv4attn.ops.index_sets import Explicit
+
+    inputs = list(flash_inputs(4096, "sparse", seed=2))
+    idx = inputs[6].indices                             # empty slots inside the rows too, not only at their ends
+    holes = torch.rand(idx.shape, device=idx.device, generator=torch.Generator(device=idx.device).manual_seed(3))
+    inputs[6] = Explicit(idx.masked_fill(holes < 0.2, -1))
     expected = bool(gluon) and gluon_kl.available(inputs[0], inputs[1])
     calls = []
     real = gluon_kl.launch_bwd
@@ -633,3 +638,12 @@ def test_gluon_backward_dispatch(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert run() == ["triton"]
+
+
+def test_gluon_backward_config_is_checked():
+    from dsv4attn.ops.indexer_loss import gluon_hopper as gluon_kl
+    for bad, match in ((dict(BLOCK_D=64), r"unknown keys \['BLOCK_D'\]"),
+                       (dict(BLOCK_N=48), "BLOCK_N must be 16, 32 or 64"),
+                       (dict(STAGES=3), "STAGES must be even and >= 2, got 3")):
+        with pytest.raises(ValueError, match=match):
+            gluon_kl.launch_bwd(*([None] * 10), split=True, config=bad)

@@ -13,9 +13,9 @@ its hi / lo parts to its shared-memory buffers, dq += dx ki (M = 64, N = 128, K 
 (M = 128 dims, N = BLOCK_N, K = 64 heads) added to dki; at the end consumer 1 hands its dq and dw partial sums to
 consumer 0 through shared memory, which stores the sums.
 
-NOT YET RUN ON A GPU (sixth session, device budget spent; compiled offline for sm_90). The next GPU session runs
-tests/ops/test_indexer_loss_triton.py -k cuda and benchmarks/indexer_loss.py --sparse-T 32768 --full-lse before
-this may become the default.
+NOT YET RUN ON A GPU (sixth session, device budget spent; compiled offline for sm_90), yet the default on SM90 on
+this branch (BWD_CONFIG GLUON=1): the next GPU session runs tests/ops/test_indexer_loss_triton.py -k gpu and
+benchmarks/indexer_loss.py --sparse-T 32768 --full-lse (Triton: 11.4 ms backward) before merging it.
 """
 from __future__ import annotations
 
@@ -147,7 +147,8 @@ if attn_gluon._IMPORTED:
         dx_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS_C, BLOCK_N], dtype)
         dx_hi = gl.allocate_shared_memory(dtype, [2, HEADS_C, BLOCK_N], dx_layout)     # one per consumer
         dx_lo = gl.allocate_shared_memory(dtype, [2, HEADS_C, BLOCK_N], dx_layout)
-        dq_part = gl.allocate_shared_memory(gl.float32, [HEADS_C, HEAD_DIM_C], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        dq_part = gl.allocate_shared_memory(gl.float32, [HEADS_C, HEAD_DIM_C],
+                                            gl.NVMMASharedLayout.get_default_for([HEADS_C, HEAD_DIM_C], gl.float32))
         dw_part = gl.allocate_shared_memory(gl.float32, [HEADS_C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         full = attn_gluon.mbarriers(STAGES, 128)
         empty = attn_gluon.mbarriers(STAGES, 1)
@@ -164,7 +165,12 @@ if attn_gluon._IMPORTED:
 def launch_bwd(qi, ki, w, idx, n_end, g, grad, dqi, dki, dw, split: bool, config=None) -> None:
     """Fills ``dqi`` (T, 64, 128) in qi's dtype and ``dw`` (T, 64) fp32, adds to ``dki`` (Nk, 128) fp32 (module
     docstring; contiguous arguments, T >= 1)."""
+    unknown = sorted(set(config or {}) - set(CONFIG))
+    if unknown:
+        raise ValueError(f"Gluon KL backward config: unknown keys {unknown}; expected some of {sorted(CONFIG)}")
     cfg = dict(CONFIG, **(config or {}))
+    if cfg["BLOCK_N"] not in (16, 32, 64):      # rows gathered 16 at a time; wgmma N
+        raise ValueError(f"Gluon KL backward config: BLOCK_N must be 16, 32 or 64, got {cfg['BLOCK_N']}")
     if cfg["STAGES"] < 2 or cfg["STAGES"] % 2:
         raise ValueError(f"Gluon KL backward config: STAGES must be even and >= 2, got {cfg['STAGES']}")
     _indexer_kl_bwd_gluon[(qi.shape[0],)](
