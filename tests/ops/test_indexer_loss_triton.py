@@ -562,3 +562,88 @@ def test_gluon_teacher_mass_dispatch(monkeypatch):
     monkeypatch.setattr(gluon_hopper, "teacher_mass", buggy)
     with pytest.raises(ValueError, match="a bug"):
         klt._gluon_teacher_mass(operands, idx, full, 0.1)
+
+
+@GPU
+@pytest.mark.parametrize("gluon", [1, 0], ids=["gluon-bwd", "triton-bwd"])
+def test_gpu_sparse_backward_kernels_match_float64_reference(gluon, monkeypatch):
+    """The saved-gradient backward (sparse phase) by the Gluon kernel where it applies (GLUON=1 on SM90; the test
+    checks that it ran exactly there) and by the Triton kernel (GLUON=0): both within the bounds against float64."""
+    from dsv4attn.ops.indexer_loss import gluon_hopper as gluon_kl
+    from dsv4attn.ops.indexer_loss import triton as klt
+    from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
+
+    from dsv4attn.ops.index_sets import Explicit
+
+    inputs = list(flash_inputs(4096, "sparse", seed=2))
+    idx = inputs[6].indices                             # empty slots inside the rows too, not only at their ends
+    holes = torch.rand(idx.shape, device=idx.device, generator=torch.Generator(device=idx.device).manual_seed(3))
+    inputs[6] = Explicit(idx.masked_fill(holes < 0.2, -1))
+    expected = bool(gluon) and gluon_kl.available(inputs[0], inputs[1])
+    calls = []
+    real = gluon_kl.launch_bwd
+    monkeypatch.setattr(gluon_kl, "launch_bwd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kernel = _run(lambda *a: klt.indexer_kl_triton(*a, bwd_config=dict(klt.BWD_CONFIG, GLUON=gluon)), inputs)
+    assert bool(calls) == expected and not klt.GLUON_BWD_FAILED, klt.GLUON_BWD_FAILED
+    measured = _compare(kernel, _run(indexer_kl_reference, inputs), _run(indexer_kl_reference, inputs, widen=True))
+    _assert_within_bounds("sparse-T4096", measured, low_precision=True)
+
+
+def test_gluon_backward_dispatch(monkeypatch):
+    """Which backward runs (kernel launches stubbed, any machine): the Gluon kernel for the saved-gradient form
+    where it applies and GLUON=1; the Triton kernel with GLUON=0, under DSV4ATTN_FORWARD_KERNEL=triton, for the
+    recomputing form (no saved gradient), and after a build failure (one warning, not tried again)."""
+    import warnings
+
+    from triton.runtime.errors import PTXASError
+
+    from dsv4attn.ops.indexer_loss import gluon_hopper as gluon_kl
+    from dsv4attn.ops.indexer_loss import triton as klt
+    from dsv4attn.ops.sparse_attention import triton as sparse_triton
+
+    launched, failure = [], []
+
+    def gluon(*args, **kwargs):
+        launched.append("gluon")
+        if failure:
+            raise failure[0]
+
+    monkeypatch.setattr(gluon_kl, "available", lambda qi, ki: True)
+    monkeypatch.setattr(gluon_kl, "launch_bwd", gluon)
+    monkeypatch.setattr(klt, "_launch", lambda *args: launched.append("triton"))
+    monkeypatch.setattr(klt, "GLUON_BWD_FAILED", {})
+    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "auto")
+    T, K = 2, 4
+    operands = (torch.zeros(T, 64, 128, dtype=torch.bfloat16), torch.zeros(3, 128, dtype=torch.bfloat16),
+                torch.zeros(T, 64), torch.zeros(T, 64, 512, dtype=torch.bfloat16),
+                torch.zeros(3, 512, dtype=torch.bfloat16))
+    chunks = [(0, T, torch.zeros(T, K, dtype=torch.int32), torch.full((T,), K, dtype=torch.int32))]
+    g_buf = torch.zeros(T, K)
+
+    def run(config=None, g=g_buf):
+        launched.clear()
+        klt._kl_backward(torch.ones(T), operands, torch.zeros(T, 64), torch.zeros(T, 3), g, chunks, K, 0.1,
+                         dict(klt.BWD_CONFIG, **(config or {})))
+        return list(launched)
+
+    assert run() == ["gluon"]
+    assert run(dict(GLUON=0)) == ["triton"]
+    assert run(g=None) == ["triton"]
+    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "triton")
+    assert run() == ["triton"]
+    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "auto")
+    failure.append(PTXASError("this Triton cannot build the Gluon kernel"))
+    with pytest.warns(RuntimeWarning, match="KL backward kernel could not be built for D=128"):
+        assert run() == ["gluon", "triton"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run() == ["triton"]
+
+
+def test_gluon_backward_config_is_checked():
+    from dsv4attn.ops.indexer_loss import gluon_hopper as gluon_kl
+    for bad, match in ((dict(BLOCK_D=64), r"unknown keys \['BLOCK_D'\]"),
+                       (dict(BLOCK_N=48), "BLOCK_N must be 16, 32 or 64"),
+                       (dict(STAGES=3), "STAGES must be even and >= 2, got 3")):
+        with pytest.raises(ValueError, match=match):
+            gluon_kl.launch_bwd(*([None] * 10), split=True, config=bad)

@@ -63,6 +63,7 @@ from triton.runtime.errors import OutOfResources
 
 from ... import backend
 from ..sparse_attention import gluon_hopper
+from . import gluon_hopper as gluon_kl
 from ..sparse_attention import triton as sparse_triton
 from ..triton_common import dot, dot_mode, interpreting, round_to
 from ..index_sets import Explicit, IndexSet, chunk_rows
@@ -81,14 +82,16 @@ FWD_CONFIG = dict(ONE_BLOCK_MAX_N=0, BLOCK_N=64, BLOCK_HT=64, BLOCK_HI=64, BLOCK
 # Backward tiles: every index head in one tile (d index_q accumulates in registers), BLOCK_N candidates per step.
 # SPLIT_DX: for bf16/fp16 inputs, feed dKL/dx to the gradient matmuls as hi + lo parts (two tensor-core dots each):
 # one bf16-rounded dx alone gives d index_k errors ~3.5x the reference's own (final rounding only) on small tests.
-BWD_CONFIG = dict(BLOCK_N=64, BLOCK_D=64, SPLIT_DX=True, num_warps=8, num_stages=2)
+# GLUON: 1 runs the saved-gradient backward (the sparse phase) as the SM90 Gluon kernel of :mod:`.gluon_hopper` where it
+# applies (bf16/fp16, 64 index heads of 128; not under DSV4ATTN_FORWARD_KERNEL=triton), 0 never.
+BWD_CONFIG = dict(BLOCK_N=64, BLOCK_D=64, SPLIT_DX=True, num_warps=8, num_stages=2, GLUON=1)
 # Rows at most this wide save dKL/dI (fp32, 4 bytes per slot) for the backward; wider rows recompute the teacher.
 SAVE_G_MAX_WIDTH = 1024
 # int32 candidate slots materialised per chunk of query rows (the sparse phase at T = 32K, K = 512: one chunk).
 INDEX_BUDGET = 1 << 25
 # The order in which the ops' ``fwd_tiles`` / ``bwd_tiles`` arguments list a config (custom op schemas take no dicts).
 FWD_KEYS = ("ONE_BLOCK_MAX_N", "BLOCK_N", "BLOCK_HT", "BLOCK_HI", "BLOCK_D", "num_warps", "num_stages")
-BWD_KEYS = ("BLOCK_N", "BLOCK_D", "SPLIT_DX", "num_warps", "num_stages")
+BWD_KEYS = ("BLOCK_N", "BLOCK_D", "SPLIT_DX", "num_warps", "num_stages", "GLUON")
 
 
 @triton.jit
@@ -587,7 +590,18 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
                 BLOCK_DI=_pow2(Di), BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)), HAS_G=has_g,
                 SPLIT_DX=bool(cfg.get("SPLIT_DX", True)) and qi.dtype != torch.float32,
                 DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype), FULL=full)
+    gluon = (has_g and bool(cfg.get("GLUON", 1)) and sparse_triton.FORWARD_KERNEL != "triton"
+             and gluon_kl.available(qi, ki) and (Di, qi.dtype) not in GLUON_BWD_FAILED)
     for s, e, idx, n_end in chunks:
+        if gluon and e > s:
+            try:
+                gluon_kl.launch_bwd(qi[s:e], ki, w[s:e], idx, n_end, g_buf[s:e], grad[s:e], d_qi[s:e], d_ki, d_w[s:e],
+                                    meta["SPLIT_DX"])
+                continue
+            except Exception as exc:
+                sparse_triton.note_gluon_build_failure(exc, GLUON_BWD_FAILED, Di, qi.dtype, "KL backward kernel",
+                                                       "using the Triton kernel")
+                gluon = False
         _launch(_indexer_kl_bwd_kernel, e - s,
                 (qi[s:e], ki, w[s:e], qm[s:e], ckv, idx, n_end, grad[s:e], g_buf[s:e] if has_g else grad,
                  full2[s:e], rowstat[s:e], d_qi[s:e], d_ki, d_w[s:e], K, scale * 1.4426950408889634, scale),
@@ -595,6 +609,8 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
     return d_qi, d_ki, d_w
 
 
+# (Di, dtype) -> why the Gluon KL backward could not be built here (the Triton kernel then runs).
+GLUON_BWD_FAILED: dict = {}
 # (D, dtype) -> why the Gluon teacher-mass kernel could not be built here (the Triton kernel then forms the mass).
 GLUON_MASS_FAILED: dict = {}
 

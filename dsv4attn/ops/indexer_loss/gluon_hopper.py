@@ -1,0 +1,178 @@
+"""Backward of the indexer KL loss for Hopper (SM90) in Gluon, for the saved-gradient form (sparse phase, K <= 1024).
+
+Contract (that of ``triton._indexer_kl_bwd_kernel`` with ``HAS_G``): ``qi (T, 64, 128)``, ``ki (Nk, 128)`` bf16/fp16
+of one dtype, ``w (T, 64)`` fp32, ``idx (T, K)`` int32 (-1 = empty), ``n_end (T,)`` int32 (a row's last valid slot
++ 1), ``grad (T,)`` fp32, ``g (T, K)`` fp32 = dKL/dI per slot. With ``x = qi[t] ki[idx]^T`` (64 heads x slots) and
+``d = g[t] * grad[t]``: ``dw[t] = sum_slots relu(x) d`` (fp32), ``dx = (x > 0) w d``, ``dqi[t] = dx ki`` (rounded to
+qi's dtype) and ``dki[idx] += dx^T qi[t]`` (fp32 atomics, relaxed). For bf16/fp16 inputs dx enters both products as
+hi + lo parts in the input dtype (as ``SPLIT_DX`` in the Triton kernel: ~16 mantissa bits instead of 8).
+
+Layout: one program per query row, three warpgroups: a producer gathers BLOCK_N key rows per tile into a ring (qi
+resident); consumer W takes tiles W, W + 2, ... on its own: x (wgmma, M = 64 heads, N = BLOCK_N, K = 128), dx and
+its hi / lo parts to its shared-memory buffers, dq += dx ki (M = 64, N = 128, K = BLOCK_N) and dki^T = qi^T dx
+(M = 128 dims, N = BLOCK_N, K = 64 heads) added to dki; at the end consumer 1 hands its dq and dw partial sums to
+consumer 0 through shared memory, which stores the sums.
+
+NOT YET RUN ON A GPU (sixth session, device budget spent; compiled offline for sm_90), yet the default on SM90 on
+this branch (BWD_CONFIG GLUON=1): the next GPU session runs tests/ops/test_indexer_loss_triton.py -k gpu and
+benchmarks/indexer_loss.py --sparse-T 32768 --full-lse (Triton: 11.4 ms backward) before merging it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..sparse_attention import gluon_hopper as attn_gluon
+
+if attn_gluon._IMPORTED:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+
+HEADS, HEAD_DIM = 64, 128
+# BLOCK_N: key rows per tile; STAGES: ring depth (even: each consumer owns the stages of its parity); REGS: registers
+# per thread of the worker consumer and the producer.
+CONFIG = dict(BLOCK_N=32, STAGES=4, REGS=(216, 40))
+
+
+def available(qi: torch.Tensor, ki: torch.Tensor) -> bool:
+    """True when :func:`launch_bwd` can run: Gluon, SM90, bf16/fp16 qi and ki of one dtype, 64 heads of 128."""
+    if not attn_gluon._IMPORTED or not qi.is_cuda or qi.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if ki.dtype != qi.dtype or torch.cuda.get_device_capability(qi.device)[0] != 9:
+        return False
+    return tuple(qi.shape[1:]) == (HEADS, HEAD_DIM)
+
+
+if attn_gluon._IMPORTED:
+    HEADS_C = gl.constexpr(HEADS)
+    HEAD_DIM_C = gl.constexpr(HEAD_DIM)
+
+    @gluon.jit
+    def _kl_producer(QI, KI, IDX, K, t, n_end, qi_smem, ring, full, empty, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):
+        # qi, then the key rows of every tile before n_end, 16 at a time (empty slots read row 0: masked later).
+        io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        cols = gl.arange(0, HEAD_DIM_C, layout=gl.SliceLayout(0, io))
+        for r in gl.static_range(0, HEADS_C, 16):
+            heads = r + gl.arange(0, 16, layout=gl.SliceLayout(1, io))
+            src = QI + (t * HEADS_C + heads.to(gl.int64))[:, None] * HEAD_DIM_C + cols[None, :]
+            async_copy.async_copy_global_to_shared(qi_smem.slice(r, 16, dim=0), src)
+        async_copy.commit_group()                 # covered by the first full[] arrival
+        for b in range(gl.cdiv(n_end, BLOCK_N)):
+            stage = b % STAGES
+            mbarrier.wait(empty.index(stage), ((b // STAGES) + 1) & 1, pred=b >= STAGES)
+            for r in gl.static_range(0, BLOCK_N, 16):
+                n = b * BLOCK_N + r + gl.arange(0, 16, layout=gl.SliceLayout(1, io))
+                idx = gl.load(IDX + t * K + n, mask=n < K, other=-1)
+                rows = gl.where(idx >= 0, idx, 0).to(gl.int64) * HEAD_DIM_C
+                async_copy.async_copy_global_to_shared(ring.index(stage).slice(r, 16, dim=0),
+                                                       KI + rows[:, None] + cols[None, :])
+            async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
+            async_copy.commit_group()
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _kl_consumer(W_, IDX, G, GRAD, DQI, DKI, DW, K, t, n_end, qi_all, ring, dx_hi, dx_lo, dq_part, dw_part,
+                     full, empty, handed, W: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     SPLIT: gl.constexpr):
+        x_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM_C, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, x_layout)
+        slot_layout: gl.constexpr = gl.SliceLayout(0, x_layout)
+        heads = gl.arange(0, HEADS_C, layout=row_layout)
+        w = gl.load(W_ + t * HEADS_C + heads)
+        grad = gl.load(GRAD + t)
+        x_zero = gl.zeros([HEADS_C, BLOCK_N], gl.float32, layout=x_layout)
+        dk_zero = gl.zeros([HEAD_DIM_C, BLOCK_N], gl.float32, layout=x_layout)
+        dq = gl.zeros([HEADS_C, HEAD_DIM_C], gl.float32, layout=q_layout)
+        dw = gl.zeros([HEADS_C], gl.float32, layout=row_layout)
+        nb = gl.cdiv(n_end, BLOCK_N)
+        dims = gl.arange(0, HEAD_DIM_C, layout=row_layout)
+        for b in range(W, nb, 2):
+            stage = b % STAGES
+            z = (b + 1) // (nb + 1)                # 0: keeps the wgmma descriptors in the loop (attention forward)
+            n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=slot_layout)
+            idx = gl.load(IDX + t * K + n, mask=n < K, other=-1)
+            valid = idx >= 0
+            d = gl.load(G + t * K + n, mask=valid, other=0.0) * grad
+            mbarrier.wait(full.index(stage), (b // STAGES) & 1)
+            fence_async_shared()
+            keys = ring.index(stage + z)
+            x = warpgroup_mma(qi_all.index(z), keys.permute((1, 0)), x_zero, use_acc=False)
+            relu = gl.maximum(x, 0.0)
+            dw += gl.sum(relu * d[None, :], 1)
+            dx = gl.where(x > 0, w[:, None] * d[None, :], 0.0)
+            hi = dx.to(dx_hi.dtype)
+            dx_hi.index(W + z).store(hi)
+            if SPLIT:
+                dx_lo.index(W + z).store((dx - hi.to(gl.float32)).to(dx_lo.dtype))
+            fence_async_shared()
+            dq = warpgroup_mma(dx_hi.index(W + z), keys, dq)
+            dk = warpgroup_mma(qi_all.index(z).permute((1, 0)), dx_hi.index(W + z), dk_zero, use_acc=False)
+            if SPLIT:
+                dq = warpgroup_mma(dx_lo.index(W + z), keys, dq)
+                dk = warpgroup_mma(qi_all.index(z).permute((1, 0)), dx_lo.index(W + z), dk)
+            mbarrier.arrive(empty.index(stage))
+            rows = gl.where(valid, idx, 0).to(gl.int64) * HEAD_DIM_C
+            gl.atomic_add(DKI + rows[None, :] + dims[:, None], dk, mask=valid[None, :], sem="relaxed")
+        # Consumer 1 hands its partial dq and dw over; consumer 0 adds them and stores.
+        if W == 1:
+            dq_part.store(dq)
+            dw_part.store(dw)
+            mbarrier.arrive(handed.index(0))
+        else:
+            mbarrier.wait(handed.index(0), 0)
+            dq += dq_part.load(q_layout)
+            dw += dw_part.load(row_layout)
+            q_heads = gl.arange(0, HEADS_C, layout=gl.SliceLayout(1, q_layout))
+            q_dims = gl.arange(0, HEAD_DIM_C, layout=gl.SliceLayout(0, q_layout))
+            gl.store(DQI + (t * HEADS_C + q_heads.to(gl.int64))[:, None] * HEAD_DIM_C + q_dims[None, :],
+                     dq.to(DQI.dtype.element_ty))
+            gl.store(DW + t * HEADS_C + heads, dw)
+
+    @gluon.jit
+    def _indexer_kl_bwd_gluon(QI, KI, W_, IDX, NEND, G, GRAD, DQI, DKI, DW, K,
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                              num_warps: gl.constexpr, REGS: gl.constexpr):
+        t = gl.program_id(0).to(gl.int64)
+        n_end = gl.load(NEND + t)
+        dtype: gl.constexpr = QI.dtype.element_ty
+        qi_all = gl.allocate_shared_memory(dtype, [1, HEADS_C, HEAD_DIM_C],
+                                           gl.NVMMASharedLayout.get_default_for([HEADS_C, HEAD_DIM_C], dtype))
+        ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM_C],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_C], dtype))
+        dx_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS_C, BLOCK_N], dtype)
+        dx_hi = gl.allocate_shared_memory(dtype, [2, HEADS_C, BLOCK_N], dx_layout)     # one per consumer
+        dx_lo = gl.allocate_shared_memory(dtype, [2, HEADS_C, BLOCK_N], dx_layout)
+        dq_part = gl.allocate_shared_memory(gl.float32, [HEADS_C, HEAD_DIM_C],
+                                            gl.NVMMASharedLayout.get_default_for([HEADS_C, HEAD_DIM_C], gl.float32))
+        dw_part = gl.allocate_shared_memory(gl.float32, [HEADS_C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        full = attn_gluon.mbarriers(STAGES, 128)
+        empty = attn_gluon.mbarriers(STAGES, 1)
+        handed = attn_gluon.mbarriers(1, 1)
+        gl.warp_specialize([
+            (_kl_consumer, (W_, IDX, G, GRAD, DQI, DKI, DW, K, t, n_end, qi_all, ring, dx_hi, dx_lo, dq_part, dw_part,
+                            full, empty, handed, gl.constexpr(0), BLOCK_N, STAGES, SPLIT)),
+            (_kl_consumer, (W_, IDX, G, GRAD, DQI, DKI, DW, K, t, n_end, qi_all, ring, dx_hi, dx_lo, dq_part, dw_part,
+                            full, empty, handed, gl.constexpr(1), BLOCK_N, STAGES, SPLIT)),
+            (_kl_producer, (QI, KI, IDX, K, t, n_end, qi_all.index(0), ring, full, empty, BLOCK_N, STAGES))],
+            [4, 4], [REGS[0], REGS[1]])
+
+
+def launch_bwd(qi, ki, w, idx, n_end, g, grad, dqi, dki, dw, split: bool, config=None) -> None:
+    """Fills ``dqi`` (T, 64, 128) in qi's dtype and ``dw`` (T, 64) fp32, adds to ``dki`` (Nk, 128) fp32 (module
+    docstring; contiguous arguments, T >= 1)."""
+    unknown = sorted(set(config or {}) - set(CONFIG))
+    if unknown:
+        raise ValueError(f"Gluon KL backward config: unknown keys {unknown}; expected some of {sorted(CONFIG)}")
+    cfg = dict(CONFIG, **(config or {}))
+    if cfg["BLOCK_N"] not in (16, 32, 64):      # rows gathered 16 at a time; wgmma N
+        raise ValueError(f"Gluon KL backward config: BLOCK_N must be 16, 32 or 64, got {cfg['BLOCK_N']}")
+    if cfg["STAGES"] < 2 or cfg["STAGES"] % 2:
+        raise ValueError(f"Gluon KL backward config: STAGES must be even and >= 2, got {cfg['STAGES']}")
+    _indexer_kl_bwd_gluon[(qi.shape[0],)](
+        qi, ki, w, idx, n_end, g, grad, dqi, dki, dw, idx.shape[1],
+        BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], SPLIT=split, num_warps=4, REGS=tuple(cfg["REGS"]))
