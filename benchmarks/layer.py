@@ -9,6 +9,8 @@ starts (after garbage collection): anything but the inputs there means the previ
 ``--breakdown`` records the arguments of every op call the timed step makes (compressor pooling, indexer top-k,
 sparse attention, indexer KL) and replays each call on its own, forward and forward + backward, median of 3.
 "rest" is the layer's forward + backward minus those ops: the projections, norms, RoPE and the output projection.
+``--profile N`` runs one more forward + backward of each case under ``torch.profiler`` and prints the N kernels
+(or, on the CPU, operators) with the most self time: what "rest" is made of.
 """
 from __future__ import annotations
 
@@ -113,6 +115,21 @@ def run_case(layer, x, cu, doc, phase, device, record=False):
     return fwd, total, peak, live, recorder.calls
 
 
+def profile_case(layer, x, cu, doc, phase, device, rows: int) -> None:
+    """One forward + backward under torch.profiler; prints the ``rows`` entries with the most self device time."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run_case(layer, x, cu, doc, phase, device)
+    keys = ("self_device_time_total", "self_cuda_time_total") if device.type == "cuda" else ("self_cpu_time_total",)
+    for key in keys:                           # the device key's name changed across PyTorch releases
+        try:
+            print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
+            return
+        except (AttributeError, KeyError):
+            continue
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -130,6 +147,8 @@ def main() -> None:
     ap.add_argument("--doc-len", type=int, default=0, help="0: one document spanning the batch")
     ap.add_argument("--breakdown", action="store_true", help="also time every op call of the step on its own")
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"])
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile one step per case and print its N most expensive kernels")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.breakdown and device.type != "cuda":
@@ -165,6 +184,8 @@ def main() -> None:
                 if args.breakdown:
                     details.append((T, ratio, phase, fwd, total, breakdown(calls)))
                     del calls
+                if args.profile:
+                    profile_case(layer, x, cu, doc, phase, device, args.profile)
             del layer
     if details:
         print("\nPer-op breakdown (each op call replayed alone; ms forward / forward+backward)")
