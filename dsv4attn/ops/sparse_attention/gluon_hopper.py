@@ -360,21 +360,23 @@ if _IMPORTED:
             [4, 4], [REGS[0], REGS[1]])
 
 
-def _checked_config(config, what: str) -> dict:
-    """FWD_CONFIG updated with ``config``; unknown keys and a BLOCK_N the producer does not gather are refused."""
-    unknown = sorted(set(config or {}) - set(FWD_CONFIG))
+def checked_config(config, what: str, defaults: dict = FWD_CONFIG, block_ns: tuple = (16, 32, 64)) -> dict:
+    """``defaults`` updated with ``config``; unknown keys and a BLOCK_N outside ``block_ns`` (the producer gathers
+    16 rows at a time; a kernel may allow fewer sizes) are refused."""
+    unknown = sorted(set(config or {}) - set(defaults))
     if unknown:
-        raise ValueError(f"{what}: unknown keys {unknown}; expected some of {sorted(FWD_CONFIG)}")
-    cfg = dict(FWD_CONFIG, **(config or {}))
-    if cfg["BLOCK_N"] not in (16, 32, 64):
-        raise ValueError(f"{what}: BLOCK_N must be 16, 32 or 64 (rows gathered 16 at a time), got {cfg['BLOCK_N']}")
+        raise ValueError(f"{what}: unknown keys {unknown}; expected some of {sorted(defaults)}")
+    cfg = dict(defaults, **(config or {}))
+    if cfg["BLOCK_N"] not in block_ns:
+        allowed = ", ".join(map(str, block_ns[:-1])) + f" or {block_ns[-1]}"
+        raise ValueError(f"{what}: BLOCK_N must be {allowed} (rows gathered 16 at a time), got {cfg['BLOCK_N']}")
     return cfg
 
 
 def launch_fwd(q, kv, idx, sink, out, lse, scale, config=None):
     """Fills ``out`` (T, H, D) and ``lse`` (T, H) for T >= 1 rows and a kv of >= 1 row (the caller,
     :func:`.triton._sparse_attn_fwd`, allocates them and handles the empty cases). ``config``: FWD_CONFIG keys."""
-    cfg = _checked_config(config, "Gluon forward config")
+    cfg = checked_config(config, "Gluon forward config")
     T, H, D = q.shape
     if idx.shape[1] == 0:       # every row empty (the kernel's consumers need at least one block)
         out.zero_()
@@ -390,7 +392,7 @@ def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None):
     valid slots (0 for -1 slots): q (T, H, D) bf16/fp16 with :func:`available`, compressed_kv (N >= 1, D) in q's
     dtype, candidates (T, K) int32, full_lse (T, H) fp32 natural log -> (T, K) fp32. The KL's teacher logits, on the
     attention forward's producer + ring; what ``indexer_kl(..., full_lse=...)`` would otherwise form in Triton."""
-    cfg = _checked_config(config, "teacher_mass config")
+    cfg = checked_config(config, "teacher_mass config")
     if cfg["STAGES"] < 2 or cfg["STAGES"] % 2:
         # Each consumer takes every other block, so with an even ring each owns its stages; with an odd one a
         # consumer's parity wait on a stage it skipped a use of would rely on the order the copies complete.

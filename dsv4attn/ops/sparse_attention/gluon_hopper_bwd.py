@@ -133,12 +133,8 @@ if gluon_hopper._IMPORTED:
 def launch_dkv(q, do, kv, idx, denom2, delta, dkv, scale, config=None):
     """Adds the dKV contributions of all T rows to ``dkv`` (N, D) fp32 (module docstring; T >= 1, N >= 1).
     ``config``: :data:`DKV_CONFIG` keys."""
-    unknown = sorted(set(config or {}) - set(DKV_CONFIG))
-    if unknown:
-        raise ValueError(f"Gluon dKV config: unknown keys {unknown}; expected some of {sorted(DKV_CONFIG)}")
-    cfg = dict(DKV_CONFIG, **(config or {}))
-    if cfg["BLOCK_N"] not in (16, 32):         # 64-row tiles: two ring stages no longer fit beside q and dO
-        raise ValueError(f"Gluon dKV config: BLOCK_N must be 16 or 32, got {cfg['BLOCK_N']}")
+    # 64-row tiles: two ring stages no longer fit beside q and dO.
+    cfg = gluon_hopper.checked_config(config, "Gluon dKV config", DKV_CONFIG, (16, 32))
     if cfg["STAGES"] < 2 or cfg["STAGES"] % 2:  # each consumer waits only on the stages of its tiles' parity
         raise ValueError(f"Gluon dKV config: STAGES must be even and >= 2, got {cfg['STAGES']}")
     D = q.shape[2]

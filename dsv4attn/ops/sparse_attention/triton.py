@@ -507,13 +507,12 @@ def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
         kv = kv.new_zeros(1, D)
     rest = {k: v for k, v in (config or {}).items() if k != "KERNEL"}
     if forward_kernel(q, config) == "gluon":
-        if config and config.get("KERNEL") == "gluon":
-            gluon_hopper.launch_fwd(q, kv, idx, sink, out, lse, scale, rest)
-            return out, lse
         try:
             gluon_hopper.launch_fwd(q, kv, idx, sink, out, lse, scale, rest)
             return out, lse
-        except Exception as exc:       # an explicit KERNEL="gluon" (above) raises instead
+        except Exception as exc:
+            if config and config.get("KERNEL") == "gluon":          # an explicit request raises
+                raise
             note_gluon_build_failure(exc, GLUON_FAILED, D, q.dtype, "sparse-attention forward",
                                      "using the Triton kernel")
             rest = {}
