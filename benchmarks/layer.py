@@ -116,15 +116,19 @@ def run_case(layer, x, cu, doc, phase, device, record=False):
 
 
 def profile_case(layer, x, cu, doc, phase, device, rows: int) -> None:
-    """One forward + backward under torch.profiler; prints the ``rows`` entries with the most self device time."""
+    """One forward + backward under torch.profiler; prints the ``rows`` entries with the most self device time, then
+    the same grouped by input shapes (which tensor each copy, cast or elementwise pass touched)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         run_case(layer, x, cu, doc, phase, device)
     keys = ("self_device_time_total", "self_cuda_time_total") if device.type == "cuda" else ("self_cpu_time_total",)
     for key in keys:                           # the device key's name changed across PyTorch releases
         try:
             print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70), flush=True)
+            print(prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=rows,
+                                                                     max_name_column_width=40,
+                                                                     max_shapes_column_width=90), flush=True)
             return
         except (AttributeError, KeyError):
             continue

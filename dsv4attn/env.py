@@ -7,7 +7,7 @@ import torch
 
 from . import __version__, backend
 
-OPS = ("sparse_attention", "compress_pool", "indexer_topk", "indexer_kl", "qnorm_rope", "inverse_rope")
+OPS = ("sparse_attention", "compress_pool", "indexer_topk", "indexer_kl", "qnorm_rope", "rope_rotate", "inverse_rope")
 
 
 def report() -> str:

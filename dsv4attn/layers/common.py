@@ -91,6 +91,8 @@ class GroupedLinear(nn.Module):
     """Block-diagonal projection: group g of the input (T, G, in) maps through ``weight.view(G, out, in)[g]``.
 
     ``weight`` is (G * out, in) as in HF ``o_a_proj`` / DeepSeek ``wo_a`` / Megatron ``linear_o_group_proj``.
+    Outside autocast the products are batched matmuls that read and write the (T, G, .) layouts in place
+    (:class:`_GroupedMatmul`); under autocast, the einsum (whose dtype autocast chooses).
     """
 
     def __init__(self, in_per_group: int, out_per_group: int, groups: int):
@@ -100,7 +102,37 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.view(self.groups, self.out_per_group, -1)
-        return torch.einsum("tgi,goi->tgo", x, w)
+        if torch.is_autocast_enabled(x.device.type) or x.dtype != w.dtype:
+            return torch.einsum("tgi,goi->tgo", x, w)
+        return _GroupedMatmul.apply(x, w)
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """``y[t, g] = w[g] @ x[t, g]`` for x (T, G, I), w (G, O, I): y (T, G, O).
+
+    Each product is one strided batched matmul over the groups whose operands and results are (G, T, .) views of
+    the (T, G, .) tensors, so neither direction copies x, y or their gradients into a groups-first layout (the
+    einsum's autograd did: one (T, G, I) copy in the backward, 2 GiB in the Flash geometry at 32K rows).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        y = x.new_empty(x.shape[0], w.shape[0], w.shape[1])
+        torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=y.transpose(0, 1))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        grad_g = grad.transpose(0, 1)                                    # (G, T, O) view
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+            torch.bmm(grad_g, w, out=dx.transpose(0, 1))
+        if ctx.needs_input_grad[1]:
+            dw = torch.bmm(grad_g.transpose(1, 2), x.transpose(0, 1))      # (G, O, I)
+        return dx, dw
 
 
 class AttachLoss(torch.autograd.Function):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops import rope_rotate
 from ..packing import CompressedLayout
-from ..rope import apply_rope
 from .compressor import Compressor
 
 
@@ -31,7 +31,7 @@ class Indexer(nn.Module):
         """x, qr: (T, .) query rows at ``positions``; x_keys: the rows ``layout`` (ratio 4) describes -- the same
         rows on one device, with a left halo under context parallelism."""
         T = x.shape[0]
-        index_q = apply_rope(self.q_b_proj(qr).view(T, self.n_heads, self.head_dim), positions, inv_freq)
+        index_q = rope_rotate(self.q_b_proj(qr).view(T, self.n_heads, self.head_dim), positions, inv_freq)
         index_k = self.compressor(x_keys, layout, inv_freq)
         cd = torch.promote_types(x.dtype, torch.float32)
         index_weights = self.weights_proj(x).to(cd) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)

@@ -4,8 +4,8 @@ from .compressor import compress_pool
 from .index_sets import Concat, Explicit, IndexSet, VisibleCompressed, Window
 from .indexer import indexer_topk
 from .indexer_loss import indexer_kl
-from .qnorm_rope import inverse_rope, qnorm_rope
+from .qnorm_rope import inverse_rope, qnorm_rope, rope_rotate
 from .sparse_attention import sparse_attention
 
-__all__ = ["sparse_attention", "compress_pool", "indexer_topk", "indexer_kl", "qnorm_rope", "inverse_rope", "IndexSet",
-           "Explicit", "Window", "VisibleCompressed", "Concat"]
+__all__ = ["sparse_attention", "compress_pool", "indexer_topk", "indexer_kl", "qnorm_rope", "rope_rotate",
+           "inverse_rope", "IndexSet", "Explicit", "Window", "VisibleCompressed", "Concat"]

@@ -53,3 +53,43 @@ def test_unweighted_rms_norm_bf16_rounds_once():
     got = rms_norm_unweighted(x, 1e-6)
     ulp = (want.float().abs() * 2.0 ** -7).clamp(min=1e-30)
     assert ((got.float() - want.float()).abs() <= ulp).all()
+
+
+def _grouped_linear(groups=3, out_per_group=8, in_per_group=16, dtype=torch.float64, seed=0):
+    from dsv4attn.layers.common import GroupedLinear
+    torch.manual_seed(seed)
+    m = GroupedLinear(in_per_group, out_per_group, groups).to(dtype)
+    torch.nn.init.normal_(m.weight)
+    return m
+
+
+def test_grouped_linear_equals_its_einsum_definition_and_gradchecks():
+    """The batched-matmul path (no groups-first copies) against y[t, g] = W_g x[t, g] in float64, also on a
+    (T, G, I) view of a wider tensor (the layer passes a reshape of the attention output)."""
+    from dsv4attn.layers.common import _GroupedMatmul
+    m = _grouped_linear()
+    x = torch.randn(11, 3, 16, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(11, 3, 8, dtype=torch.float64)
+    y = m(x)
+    dx, dw = torch.autograd.grad((y * g).sum(), (x, m.weight))
+    x2, w2 = x.detach().clone().requires_grad_(True), m.weight.detach().clone().requires_grad_(True)
+    y2 = torch.einsum("tgi,goi->tgo", x2, w2.view(3, 8, 16))
+    dx2, dw2 = torch.autograd.grad((y2 * g).sum(), (x2, w2))
+    torch.testing.assert_close(y, y2, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(dx, dx2, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(dw, dw2, rtol=1e-13, atol=1e-13)
+    assert y.is_contiguous() and dx.is_contiguous() and dw.shape == m.weight.shape
+    w = m.weight.detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: _GroupedMatmul.apply(a, b.view(3, 8, 16)), (x, w))
+    wide = torch.randn(11, 3 * 16 + 5, dtype=torch.float64)[:, :48].view(11, 3, 16)
+    torch.testing.assert_close(m(wide), torch.einsum("tgi,goi->tgo", wide, m.weight.view(3, 8, 16)))
+
+
+def test_grouped_linear_under_autocast_keeps_the_einsum_dtype():
+    m = _grouped_linear(dtype=torch.float32)
+    x = torch.randn(4, 3, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+        want = torch.einsum("tgi,goi->tgo", x, m.weight.view(3, 8, 16))
+    assert y.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(y, want, rtol=0, atol=0)

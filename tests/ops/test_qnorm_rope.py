@@ -1,6 +1,8 @@
-"""qnorm_rope (query RMSNorm + RoPE) and inverse_rope (output inverse RoPE): Triton kernels vs the reference.
+"""qnorm_rope (query RMSNorm + RoPE), rope_rotate (plain RoPE) and inverse_rope (output inverse RoPE): Triton
+kernels vs the reference.
 
-The reference is the layer's former code (``apply_rope(rms_norm_unweighted(x))``, ``apply_rope(.., inverse=True)``).
+The reference is the layer's former code (``apply_rope(rms_norm_unweighted(x))``, ``apply_rope(x)``,
+``apply_rope(.., inverse=True)``).
 Kernel runs happen on the CPU through the Triton interpreter in one subprocess (``_worker``; the interpreter must be
 switched on before Triton is first imported, see test_sparse_attention_triton.py), which prints its measurements as
 JSON for the parametrised tests to judge. Bounds: bf16 / fp16 kernel error <= 2x (outputs) / 3x (gradients) the
@@ -41,7 +43,7 @@ CASES.update({
     "fp32-D512-rope64-long": _case("fp32", 512, 64, H=2, positions="long"),
     "bf16-D96-rope32-H1": _case("bf16", 96, 32, H=1),                 # head_dim not a power of two: masked tile
 })
-OPS = ("qnorm_rope", "inverse_rope")
+OPS = ("qnorm_rope", "rope_rotate", "inverse_rope")
 NAMES = ("out", "dx")
 # Tiny layers (ratio, phase, dtype) run with only these two ops on the kernels: every ratio in fp32, and float64
 # (where the kernel path falls back to the reference: bitwise equal) once.
@@ -81,7 +83,15 @@ def _fns():
     from dsv4attn.ops.qnorm_rope import reference, triton
     return {"qnorm_rope": (lambda x, p, f: triton.qnorm_rope_triton(x, p, f, EPS),
                            lambda x, p, f: reference.qnorm_rope_reference(x, p, f, EPS)),
+            "rope_rotate": (triton.rope_rotate_triton, reference.rope_rotate_reference),
             "inverse_rope": (triton.inverse_rope_triton, reference.inverse_rope_reference)}
+
+
+def _public():
+    """The public ops, each as ``fn(x, positions, inv_freq)``."""
+    from dsv4attn.ops import inverse_rope, qnorm_rope, rope_rotate
+    return {"qnorm_rope": lambda x, p, f: qnorm_rope(x, p, f, EPS), "rope_rotate": rope_rotate,
+            "inverse_rope": inverse_rope}
 
 
 def _compare(kernel, ref_low, exact):
@@ -106,7 +116,7 @@ def _layer_run(layer, x, cu, T, max_seqlen, phase):
 
 
 def _layer_checks(backend):
-    """A tiny layer of each ratio with only qnorm_rope / inverse_rope on the (interpreted) kernels vs all reference."""
+    """A tiny layer of each ratio with only the OPS on the (interpreted) kernels vs all reference."""
     import dsv4attn
     from tests.layers.layer_helpers import ragged_pack, randomize_
 
@@ -134,7 +144,6 @@ def _worker() -> None:
     """Runs in the subprocess (TRITON_INTERPRET=1 already set): every case, printed as one JSON object."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from dsv4attn import backend
-    from dsv4attn.ops import inverse_rope, qnorm_rope
     from dsv4attn.ops.qnorm_rope import triton as qt
 
     fns = _fns()
@@ -148,7 +157,7 @@ def _worker() -> None:
 
     # Plumbing: registration, dispatch through the public ops, float64 fallback, no aliasing, edge shapes.
     x, grad, positions, inv_freq = _inputs(CASES["bf16-D128-rope16"], 0)
-    public = {"qnorm_rope": lambda x_, p, f: qnorm_rope(x_, p, f, EPS), "inverse_rope": inverse_rope}
+    public = _public()
     plumbing = dict(registered=all(backend.kernel(op) is getattr(qt, f"{op}_triton") for op in OPS))
     backend.set_backend("triton")
     try:
@@ -166,13 +175,15 @@ def _worker() -> None:
             empty = public[op](x[:0], positions[:0], inv_freq)
             plumbing[f"{op}_zero_rows"] = empty.shape == (0,) + x.shape[1:]
         for rope_dim in (0, 16):
-            out = inverse_rope(x, positions, inv_freq[: rope_dim // 2])
-            plumbing[f"inverse_rope_rope{rope_dim}_new_storage"] = (
-                out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr())
+            for op in ("rope_rotate", "inverse_rope"):
+                out = public[op](x, positions, inv_freq[: rope_dim // 2])
+                plumbing[f"{op}_rope{rope_dim}_new_storage"] = (
+                    out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr())
         cos, sin = qt.rope_table(positions, inv_freq)
         opcheck = {}
         for name, op, args in (("qnorm_rope", qt.qnorm_rope_op, (x.float(), cos, sin, EPS)),
-                               ("rope_rotate", qt.rope_rotate_op, (x.float(), cos, sin, True))):
+                               ("rope_rotate", qt.rope_rotate_op, (x.float(), cos, sin, True)),
+                             ("rope_rotate_forward", qt.rope_rotate_op, (x.float(), cos, sin, False))):
             args = (args[0].requires_grad_(True),) + args[1:]
             try:
                 torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration",
@@ -215,7 +226,8 @@ def test_kernel_matches_reference(interpreted, op, case_id):
 
 PLUMBING = ["registered"] + [f"{op}_{what}" for op in OPS for what in
                              ("public_matches_direct", "fp64_is_reference", "strided_input", "zero_rows")] + [
-    "inverse_rope_rope0_new_storage", "inverse_rope_rope16_new_storage"]
+    "inverse_rope_rope0_new_storage", "inverse_rope_rope16_new_storage", "rope_rotate_rope0_new_storage",
+    "rope_rotate_rope16_new_storage"]
 
 
 @pytest.mark.parametrize("check", PLUMBING)
@@ -223,7 +235,7 @@ def test_plumbing(interpreted, check):
     assert interpreted["plumbing"][check]
 
 
-@pytest.mark.parametrize("op", ["qnorm_rope", "rope_rotate"])
+@pytest.mark.parametrize("op", ["qnorm_rope", "rope_rotate", "rope_rotate_forward"])
 def test_custom_op_opcheck(interpreted, op):
     assert interpreted["plumbing"]["opcheck"][op] == "ok", interpreted["plumbing"]["opcheck"][op]
 
@@ -242,32 +254,32 @@ def test_layer_with_kernels_equals_reference_layer(interpreted, run):
 # ---------------------------------------------------------------- in-process: reference path and arguments
 
 
-def _former_layer_code(x, positions, inv_freq, inverse):
+def _former_layer_code(x, positions, inv_freq, op):
     from dsv4attn.layers.common import rms_norm_unweighted
     from dsv4attn.rope import apply_rope
-    if inverse:
+    if op == "inverse_rope":
         return apply_rope(x, positions, inv_freq, inverse=True)
+    if op == "rope_rotate":
+        return apply_rope(x, positions, inv_freq)
     return apply_rope(rms_norm_unweighted(x, EPS), positions, inv_freq)
 
 
 # Forced "triton" only for float64: other CPU tensors would reach the kernels, which need the interpreter (above).
 @pytest.mark.parametrize("dtype, forced", [("fp64", "reference"), ("fp64", "triton"), ("fp32", "reference"),
                                            ("bf16", "reference")])
-@pytest.mark.parametrize("inverse", [False, True], ids=["qnorm_rope", "inverse_rope"])
-def test_reference_path_is_the_former_layer_code(dtype, inverse, forced):
+@pytest.mark.parametrize("op", OPS)
+def test_reference_path_is_the_former_layer_code(dtype, op, forced):
     """On the CPU (and for float64 on any backend) the ops are exactly the code the layer used to run."""
     from dsv4attn import backend
-    from dsv4attn.ops import inverse_rope, qnorm_rope
     dt = {"fp64": torch.float64, **DTYPES}[dtype]
     x, grad, positions, inv_freq = _inputs(CASES["fp32-D128-rope64"], 3)
     x, grad = x.to(dt), grad.to(dt)
     backend.set_backend(forced)
     try:
-        got = _run((lambda x_, p, f: inverse_rope(x_, p, f)) if inverse else
-                   (lambda x_, p, f: qnorm_rope(x_, p, f, EPS)), x, grad, positions, inv_freq)
+        got = _run(_public()[op], x, grad, positions, inv_freq)
     finally:
         backend.set_backend(None)
-    want = _run(lambda x_, p, f: _former_layer_code(x_, p, f, inverse), x, grad, positions, inv_freq)
+    want = _run(lambda x_, p, f: _former_layer_code(x_, p, f, op), x, grad, positions, inv_freq)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -283,13 +295,15 @@ def test_inverse_rope_never_aliases_its_input(rope_dim):
     assert x.abs().sum() > 0
 
 
-def test_float64_gradcheck():
-    from dsv4attn.ops import inverse_rope, qnorm_rope
+@pytest.mark.parametrize("op", OPS)
+def test_float64_gradcheck(op):
+    from dsv4attn.ops import qnorm_rope
     from dsv4attn.rope import rope_frequencies
     x = torch.randn(4, 2, 12, dtype=torch.float64, requires_grad=True)
     positions, inv_freq = torch.tensor([0, 3, 1, 700]), rope_frequencies(8, 10000.0)
-    assert torch.autograd.gradcheck(lambda t: qnorm_rope(t, positions, inv_freq, 1e-3), (x,))
-    assert torch.autograd.gradcheck(lambda t: inverse_rope(t, positions, inv_freq), (x,))
+    fn = (lambda t: qnorm_rope(t, positions, inv_freq, 1e-3)) if op == "qnorm_rope" else (
+        lambda t: _public()[op](t, positions, inv_freq))
+    assert torch.autograd.gradcheck(fn, (x,))
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -302,14 +316,10 @@ def test_float64_gradcheck():
 ], ids=["x-2d", "x-int", "positions-length", "positions-float", "inv_freq-2d", "rope-wider-than-head"])
 @pytest.mark.parametrize("op", OPS)
 def test_bad_arguments_name_the_argument(op, bad, message):
-    from dsv4attn.ops import inverse_rope, qnorm_rope
     args = dict(x=torch.randn(6, 2, 64), positions=torch.arange(6), inv_freq=torch.ones(8, dtype=torch.float64))
     args.update(bad)
     with pytest.raises(ValueError, match=message):
-        if op == "qnorm_rope":
-            qnorm_rope(args["x"], args["positions"], args["inv_freq"], EPS)
-        else:
-            inverse_rope(args["x"], args["positions"], args["inv_freq"])
+        _public()[op](args["x"], args["positions"], args["inv_freq"])
 
 
 # ---------------------------------------------------------------- GPU: the Flash geometry

@@ -1,17 +1,18 @@
-"""Query RMSNorm + RoPE and the output inverse RoPE of the attention layer, as fused elementwise ops.
+"""Query RMSNorm + RoPE, plain RoPE and the output inverse RoPE of the attention layer, as fused elementwise ops.
 
 ``qnorm_rope`` is steps 4-5 of the query path (spec ALGORITHM.md section 3.2): per-head unweighted RMSNorm, then
-interleaved partial RoPE on the last ``rope_dim`` channels. ``inverse_rope`` is step 1 of section 3.7: the
-attention output rotated back by ``-angle`` at the query's position, out of place (invariant 9.1). On CUDA each is
-one pass over the (T, H, D) tensor in the forward and one in the backward (``triton.py``); elsewhere, and for
-float64, the reference (``reference.py``: the layer's former code) runs.
+interleaved partial RoPE on the last ``rope_dim`` channels. ``rope_rotate`` is that RoPE alone (the indexer's
+queries). ``inverse_rope`` is step 1 of section 3.7: the attention output rotated back by ``-angle`` at the query's
+position, out of place (invariant 9.1). On CUDA each is one pass over the (T, H, D) tensor in the forward and one in
+the backward (``triton.py``); elsewhere, and for float64, the reference (``reference.py``: the layer's former code)
+runs.
 """
 from __future__ import annotations
 
 import torch
 
 from ... import backend, checks
-from .reference import inverse_rope_reference, qnorm_rope_reference
+from .reference import inverse_rope_reference, qnorm_rope_reference, rope_rotate_reference
 
 _INTEGERS = (torch.int32, torch.int64)
 
@@ -51,6 +52,21 @@ def qnorm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
         return qnorm_rope_reference(x, positions, inv_freq, eps)
 
 
+def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing ``2 * len(inv_freq)`` channels of every head by ``+positions * inv_freq``. Out of place.
+
+    Args:
+        x: (T, H, D) fp16 / bf16 / fp32 / fp64 rows (the indexer's queries after ``q_b_proj``).
+        positions: (T,) int32 / int64 in-document positions of the rows, on ``x``'s device.
+        inv_freq: (rope_dim // 2,) fp64 (fp32 allowed) frequencies of the layer.
+    Returns:
+        A new (T, H, D) tensor in ``x.dtype`` (never a view of ``x``), differentiable in ``x`` (the backward is the
+        rotation by ``-angle``). Rotation in fp32 (fp64 for fp64 input) with cos/sin rounded to fp32 from float64
+        angles, one rounding to ``x.dtype``: what :func:`dsv4attn.rope.apply_rope` computes.
+    """
+    return _rotate("rope_rotate", x, positions, inv_freq)
+
+
 def inverse_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate the trailing ``2 * len(inv_freq)`` channels of every head by ``-positions * inv_freq``. Out of place.
 
@@ -63,11 +79,18 @@ def inverse_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
         9.1: the attention backward keeps its output; rotating that in place would corrupt dq / dkv).
         Differentiable in ``x``: the backward is the rotation by ``+angle``.
     """
+    return _rotate("inverse_rope", x, positions, inv_freq)
+
+
+_ROTATION_REFERENCES = {"rope_rotate": rope_rotate_reference, "inverse_rope": inverse_rope_reference}
+
+
+def _rotate(op: str, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     _check(x, positions, inv_freq)
     with backend.exact_math(x.device):
-        if backend.choose("inverse_rope", x.device) == "triton":
-            return backend.kernel("inverse_rope")(x, positions, inv_freq)
-        return inverse_rope_reference(x, positions, inv_freq)
+        if backend.choose(op, x.device) == "triton":
+            return backend.kernel(op)(x, positions, inv_freq)
+        return _ROTATION_REFERENCES[op](x, positions, inv_freq)
 
 
 try:  # registers the Triton kernels with the backend (used on CUDA); CPU-only installs run the reference
@@ -75,4 +98,5 @@ try:  # registers the Triton kernels with the backend (used on CUDA); CPU-only i
 except ImportError:
     _triton_kernels = None
 
-__all__ = ["qnorm_rope", "inverse_rope", "qnorm_rope_reference", "inverse_rope_reference"]
+__all__ = ["qnorm_rope", "rope_rotate", "inverse_rope", "qnorm_rope_reference", "rope_rotate_reference",
+           "inverse_rope_reference"]

@@ -5,6 +5,7 @@ These *are* the layer's former code paths, unchanged (spec ALGORITHM.md sections
 * ``qnorm_rope_reference``: per-head unweighted RMSNorm (statistics in fp32, one rounding to ``x.dtype``), then
   interleaved partial RoPE of the last ``2 * len(inv_freq)`` channels (rotation in fp32 with cos/sin rounded to
   fp32 from float64 angles, a second rounding to ``x.dtype``). Backward: autograd of the two steps.
+* ``rope_rotate_reference``: RoPE by ``+angle`` (the indexer's queries), out of place.
 * ``inverse_rope_reference``: RoPE by ``-angle``, out of place (invariant 9.1).
 
 Same signatures as the Triton versions; the public functions in ``__init__`` check the arguments.
@@ -24,9 +25,14 @@ def qnorm_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: tor
     return apply_rope(rms_norm_unweighted(x, eps), positions, inv_freq)
 
 
+def rope_rotate_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``apply_rope(x, positions, inv_freq)``: a new (T, H, D) tensor."""
+    return apply_rope(x, positions, inv_freq)
+
+
 def inverse_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """``apply_rope(x, positions, inv_freq, inverse=True)``: a new (T, H, D) tensor, never a view of ``x``."""
     return apply_rope(x, positions, inv_freq, inverse=True)
 
 
-__all__ = ["qnorm_rope_reference", "inverse_rope_reference"]
+__all__ = ["qnorm_rope_reference", "rope_rotate_reference", "inverse_rope_reference"]

@@ -1,4 +1,4 @@
-"""Triton kernels for the query RMSNorm + RoPE and the output inverse RoPE: one pass over (T, H, D) each way.
+"""Triton kernels for the query RMSNorm + RoPE, plain and inverse RoPE: one pass over (T, H, D) each way.
 
 Same contract as :mod:`.reference`. The (T, H, D) tensor is seen as ``T * H`` rows of ``D`` channels; a program
 takes ``BLOCK_ROWS`` consecutive rows (``TILE // next_pow2(D)`` of them) and all their channels, so a row's RMS
@@ -15,7 +15,7 @@ through untouched (``tl.where``, not ``* 1 + 0``, so even an infinite partner ca
 * ``_rope_fwd_kernel``: ``NORM`` (``x * rstd`` with ``rstd = 1 / sqrt(mean(x^2) + eps)`` in fp32) then the
   rotation by ``SIGN * angle``, one rounding to the output dtype. ``NORM=True, SIGN=+1`` is ``qnorm_rope``;
   ``NORM=False, SIGN=-1`` the output inverse RoPE and ``SIGN=+1`` its backward (the transpose of a rotation is the
-  rotation by the opposite angle).
+  rotation by the opposite angle); ``NORM=False, SIGN=+1`` is also ``rope_rotate`` (the indexer's queries).
 * ``_qnorm_rope_bwd_kernel``: ``dy = R(-angle) dq`` in fp32, ``rstd`` recomputed from ``x`` (it reads the whole row
   anyway, so nothing but ``x`` is saved), then the RMSNorm backward ``dx = rstd * dy - rstd^3 * x * mean(dy * x)``.
 
@@ -31,7 +31,7 @@ import triton.language as tl
 from ... import backend
 from ..triton_common import interpreting, round_to
 from ...rope import rope_cos_sin
-from .reference import inverse_rope_reference, qnorm_rope_reference
+from .reference import inverse_rope_reference, qnorm_rope_reference, rope_rotate_reference
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -237,17 +237,29 @@ def qnorm_rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
     return qnorm_rope_op(x.contiguous(), cos, sin, float(eps))
 
 
+def _rotate_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool,
+                   reference) -> torch.Tensor:
+    if not kernel_supports(x, inv_freq):
+        return reference(x, positions, inv_freq)
+    cos, sin = rope_table(positions, inv_freq)
+    return rope_rotate_op(x.contiguous(), cos, sin, inverse)
+
+
+def rope_rotate_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Triton implementation behind :func:`dsv4attn.ops.rope_rotate` (arguments already checked); float64 falls
+    back to the reference."""
+    return _rotate_triton(x, positions, inv_freq, False, rope_rotate_reference)
+
+
 def inverse_rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Triton implementation behind :func:`dsv4attn.ops.inverse_rope` (arguments already checked); float64 falls
     back to the reference. Always a new tensor (the custom op allocates its output)."""
-    if not kernel_supports(x, inv_freq):
-        return inverse_rope_reference(x, positions, inv_freq)
-    cos, sin = rope_table(positions, inv_freq)
-    return rope_rotate_op(x.contiguous(), cos, sin, True)
+    return _rotate_triton(x, positions, inv_freq, True, inverse_rope_reference)
 
 
 backend.register_kernel("qnorm_rope", qnorm_rope_triton)
+backend.register_kernel("rope_rotate", rope_rotate_triton)
 backend.register_kernel("inverse_rope", inverse_rope_triton)
 
-__all__ = ["qnorm_rope_triton", "inverse_rope_triton", "qnorm_rope_op", "qnorm_rope_backward_op", "rope_rotate_op",
-           "kernel_supports", "rope_table", "CONFIGS"]
+__all__ = ["qnorm_rope_triton", "rope_rotate_triton", "inverse_rope_triton", "qnorm_rope_op", "qnorm_rope_backward_op",
+           "rope_rotate_op", "kernel_supports", "rope_table", "CONFIGS"]
