@@ -113,18 +113,22 @@ def bench(T: int, ratio: int, log, with_reference: bool = True, config=None, tag
 
 
 def sweep_configs(ratio: int):
-    """Tile variants around the defaults, one dict per forward+backward pair."""
+    """Tile variants around the defaults, one dict per forward+backward pair (``CHANNELS_FIRST``: neighbouring
+    programs take neighbouring channel blocks; BLOCK_D = 512 reads whole rows in one program)."""
     if ratio == 4:
-        fwd = [dict(BLOCK_E=e, CHUNK=8, BLOCK_D=bd, num_warps=w) for e, bd, w in
-               [(8, 64, 4), (4, 128, 4), (16, 64, 8), (8, 128, 8), (4, 64, 2), (16, 32, 4)]]
+        fwd = [dict(BLOCK_E=e, CHUNK=8, BLOCK_D=bd, num_warps=w, CHANNELS_FIRST=cf) for e, bd, w, cf in
+               [(2, 512, 4, False), (4, 512, 8, False), (4, 512, 4, False), (2, 256, 4, True), (2, 512, 2, False),
+                (1, 512, 2, False), (8, 64, 4, True), (8, 64, 4, False)]]
         bwd = [dict(BLOCK_E=e, CHUNK=8, BLOCK_D=bd, MAX_GROUPS=g, num_warps=w) for e, bd, g, w in
-               [(8, 64, 128, 8), (8, 64, 256, 4), (4, 64, 256, 4), (16, 64, 64, 8), (8, 128, 128, 8), (4, 128, 64, 4)]]
+               [(2, 512, 4096, 4), (2, 512, 8192, 4), (1, 512, 8192, 4), (1, 512, 16384, 4), (2, 256, 4096, 4),
+                (4, 512, 2048, 8), (1, 512, 4096, 4), (8, 64, 256, 4)]]
     else:
-        fwd = [dict(BLOCK_E=e, CHUNK=c, BLOCK_D=bd, num_warps=w) for e, c, bd, w in
-               [(1, 32, 64, 4), (1, 64, 64, 4), (2, 32, 64, 4), (1, 16, 128, 4), (1, 128, 32, 8), (1, 32, 32, 2)]]
+        fwd = [dict(BLOCK_E=e, CHUNK=c, BLOCK_D=bd, num_warps=w, CHANNELS_FIRST=cf) for e, c, bd, w, cf in
+               [(1, 128, 64, 8, False), (1, 128, 32, 4, False), (1, 64, 32, 4, False), (1, 32, 64, 4, False),
+                (1, 64, 64, 8, False), (2, 64, 64, 8, False), (1, 128, 64, 4, False), (1, 64, 64, 4, False)]]
         bwd = [dict(BLOCK_E=e, CHUNK=c, BLOCK_D=bd, MAX_GROUPS=g, num_warps=w) for e, c, bd, g, w in
-               [(2, 32, 64, 16, 4), (1, 32, 64, 32, 4), (4, 32, 64, 8, 4), (2, 16, 64, 16, 4), (2, 32, 128, 16, 8),
-                (2, 64, 64, 16, 8)]]
+               [(1, 8, 256, 64, 4), (1, 8, 512, 64, 4), (1, 16, 256, 64, 4), (2, 8, 256, 32, 4),
+                (1, 8, 128, 64, 4), (1, 8, 256, 32, 4), (1, 4, 512, 64, 4), (2, 16, 64, 16, 4)]]
     return [dict(fwd=f, bwd=b) for f, b in zip(fwd, bwd)]
 
 
@@ -134,7 +138,8 @@ def main() -> None:
     parser.add_argument("--ratio", type=int, nargs="+", default=[4, 128])
     parser.add_argument("--check-T", type=int, default=32768, help="0 skips the correctness check")
     parser.add_argument("--no-reference", action="store_true", help="time the kernels only")
-    parser.add_argument("--sweep", action="store_true", help="also time the tile variants of sweep_configs")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the tile variants of sweep_configs at every --T")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
     log = start_log("compressor.py", args.log)
@@ -151,10 +156,11 @@ def main() -> None:
         for ratio in args.ratio:
             for i, config in enumerate(sweep_configs(ratio)):
                 log(f"sweep {i} ratio {ratio}: {config}")
-                try:
-                    bench(args.T[-1], ratio, log, with_reference=False, config=config, tag=f"#{i}")
-                except Exception as exc:                                   # noqa: BLE001 - report and go on
-                    log(f"  failed {type(exc).__name__}: {str(exc)[:200]}")
+                for T in args.T:
+                    try:
+                        bench(T, ratio, log, with_reference=False, config=config, tag=f"#{i}")
+                    except Exception as exc:                               # noqa: BLE001 - report and go on
+                        log(f"  failed {type(exc).__name__}: {str(exc)[:200]}")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ SMALL_TILES = {
                                    bwd=dict(BLOCK_E=2, CHUNK=8, BLOCK_D=16, MAX_GROUPS=2, num_warps=1))),
     "r128-recompute-one-chunk": (128, dict(fwd=dict(BLOCK_E=1, CHUNK=32, BLOCK_D=16, num_warps=1),
                                            bwd=dict(BLOCK_E=1, CHUNK=128, BLOCK_D=16, MAX_GROUPS=4, num_warps=1))),
+    # four channel blocks per entry block, the grid in channels-first order
+    "r4-channels-first": (4, dict(fwd=dict(BLOCK_E=2, CHUNK=8, BLOCK_D=16, num_warps=1, CHANNELS_FIRST=True),
+                                  bwd=dict(BLOCK_E=2, CHUNK=8, BLOCK_D=16, MAX_GROUPS=3, num_warps=1))),
 }
 
 
@@ -61,6 +64,7 @@ CASES = {
     "r4-d16-fp32-small-tiles": _case(4, 16, "fp32", 12, docs=10, tiles="r4-blocks-of-2-3-groups"),
     "r128-d16-bf16-chunks-of-8": _case(128, 16, "bf16", 13, docs=5, max_len=400, tiles="r128-chunks-of-8"),
     "r128-d16-fp32-recompute": _case(128, 16, "fp32", 14, docs=4, max_len=300, tiles="r128-recompute-one-chunk"),
+    "r4-d64-bf16-channels-first": _case(4, 64, "bf16", 15, docs=8, tiles="r4-channels-first"),
 }
 
 

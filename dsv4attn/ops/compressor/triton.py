@@ -48,16 +48,19 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Tiles per ratio. Forward / backward: BLOCK_E entries x CHUNK slots x BLOCK_D channels per step. MAX_GROUPS bounds
 # the backward's entry groups: its grid is groups x slot chunks x channel blocks, and its d_bias partial buffer is
-# groups x ratio x width fp32 (ratio 4, width 1024: 2 MiB at 128 groups; ratio 128, width 512: 4 MiB at 16), written
-# and read once more: few groups keep that traffic small, enough groups keep the GPU busy. Benchmarks and tests may
-# pass others (benchmarks/compressor.py --sweep).
-# Best of benchmarks/compressor.py --sweep on the H200, T = 131072, Flash widths (2026-11-30): ratio 4 fwd 0.53 ms,
-# bwd 1.02 ms (2.29 ms with 8 warps / 128 groups); ratio 128 fwd 0.24 ms (0.36 ms with 32-slot chunks), bwd 0.27 ms.
+# groups x ratio x width fp32 (ratio 4, width 1024: 8 MiB at 512 groups; ratio 128, width 512: 8 MiB at 32),
+# written and read once more: few groups keep that traffic small, enough groups keep the GPU busy. Benchmarks and
+# tests may pass others (benchmarks/compressor.py --sweep; fwd configs may add CHANNELS_FIRST=True).
+# Best of benchmarks/compressor.py --sweep on the H200, T = 131072, Flash widths (2026-11-30, seventh session;
+# BENCHMARKS.md): whole 512-channel rows per program. Ratio 4 fwd 0.20 ms (was 0.54 with 64-channel blocks), bwd
+# 0.77 ms (was 1.0-1.1; 0.85 with 4096 groups); ratio 128 fwd 0.16-0.19 ms (one 128-slot chunk; was 0.22-0.31), bwd
+# 0.24-0.26 ms (was 0.27-0.30). The backwards hold 160-255 registers per thread (offline ptxas, sm_90), which caps
+# them at 8-12 warps per SM.
 CONFIGS = {
-    4: dict(fwd=dict(BLOCK_E=8, CHUNK=8, BLOCK_D=64, num_warps=4),
-            bwd=dict(BLOCK_E=8, CHUNK=8, BLOCK_D=64, MAX_GROUPS=256, num_warps=4)),
-    128: dict(fwd=dict(BLOCK_E=1, CHUNK=64, BLOCK_D=64, num_warps=4),
-              bwd=dict(BLOCK_E=2, CHUNK=16, BLOCK_D=64, MAX_GROUPS=16, num_warps=4)),
+    4: dict(fwd=dict(BLOCK_E=2, CHUNK=8, BLOCK_D=512, num_warps=4),
+            bwd=dict(BLOCK_E=1, CHUNK=8, BLOCK_D=512, MAX_GROUPS=512, num_warps=4)),
+    128: dict(fwd=dict(BLOCK_E=1, CHUNK=128, BLOCK_D=64, num_warps=4),
+              bwd=dict(BLOCK_E=1, CHUNK=8, BLOCK_D=256, MAX_GROUPS=32, num_warps=4)),
 }
 DEFAULT_CONFIG = CONFIGS[128]                # other ratios (no overlap): the ratio-128 tiles
 ZERO_CONFIG = dict(BLOCK_T=32, BLOCK_W=128, num_warps=4)
@@ -96,9 +99,11 @@ def _compress_pool_fwd_kernel(
     capacity,
     D: tl.constexpr, R: tl.constexpr, OVERLAP: tl.constexpr, SLOTS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, SAVE_STATS: tl.constexpr, ROUND_BF16: tl.constexpr,
+    CHANNELS_FIRST: tl.constexpr,
 ):
-    eb = tl.program_id(0)
-    cb = tl.program_id(1)
+    # CHANNELS_FIRST: neighbouring programs take neighbouring channel blocks of the same entries (whole rows).
+    eb = tl.program_id(1) if CHANNELS_FIRST else tl.program_id(0)
+    cb = tl.program_id(0) if CHANNELS_FIRST else tl.program_id(1)
     entries = (eb * BLOCK_E + tl.arange(0, BLOCK_E)).to(tl.int64)
     entry_ok = entries < capacity
     ch = cb * BLOCK_D + tl.arange(0, BLOCK_D)                # BLOCK_D divides D: no channel mask
@@ -263,10 +268,15 @@ def _compress_pool_fwd(kv, gate, position_bias, first_row, entry_index, is_real,
     pooled = torch.empty_like(lse)
     if capacity == 0:                          # no entry at all (capacity <= T // ratio)
         return out, lse, pooled
-    meta, launch = _tile_meta(config["fwd"], ratio, d, kv.dtype)
+    fwd = dict(config["fwd"])
+    channels_first = fwd.pop("CHANNELS_FIRST", False)
+    meta, launch = _tile_meta(fwd, ratio, d, kv.dtype)
     grid = (triton.cdiv(capacity, meta["BLOCK_E"]), d // meta["BLOCK_D"])
+    if channels_first:
+        grid = grid[::-1]
     _compress_pool_fwd_kernel[grid](kv, gate, position_bias, first_row, entry_index, is_real, out, lse, pooled,
-                                    capacity, SAVE_STATS=stats, **meta, **launch)
+                                    capacity, SAVE_STATS=stats, CHANNELS_FIRST=channels_first,
+                                    **meta, **launch)
     return out, lse, pooled
 
 
