@@ -13,16 +13,18 @@ the block's first row's first entry), three warpgroups:
   a ring of STAGES shared-memory stages;
 - consumer W (W = 0, 1) owns entries [128 W, 128 W + 128): for every head, s = Q_h K_W^T (wgmma, M = 64 rows,
   N = 128 entries, K = 128), then acc += w[:, h] * relu(s) (fp32); both consumers read each query stage, which is
-  released when both are done (count 2). The weights of the block (64 x 64 fp32) sit in shared memory.
+  released when both are done (count 2). Each consumer loads its rows' weight of head h from global memory before
+  waiting for the head's query tile (the block's 16 KiB of weights stay in L1), so the load's latency hides behind
+  the wait and the product. (Staging them in shared memory first, one head at a time, serialised 64 global loads
+  with a barrier each in every program's prologue.)
 
 Unlike the Triton kernel, which masks its key loads per needed column, this one gathers the key rows of every entry
 from e0 below the block's largest ``first + visible``, gaps between documents included: ``table`` (if any) must be
 defined there, as the layouts' lowering tables are (every entry below the capacity).
 
 Why: the Triton kernel (7.2 ms at T = 32768, 0.39 of the matmul peak on an H200) loads each head's query tile
-synchronously between its dots. NOT YET RUN ON A GPU (written in the sixth session with the device budget spent;
-compiled offline for sm_90), yet the default on SM90 on this branch (SCORE_KERNEL "auto"): the first GPU session
-runs tests/ops/test_indexer_triton.py -k cuda and benchmarks/indexer.py before merging it.
+synchronously between its dots; this one took 7.0 ms there with the weights staged in shared memory (H200, seventh
+session; BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -93,15 +95,19 @@ if attn_gluon._IMPORTED:
         async_copy.wait_group(0)
 
     @gluon.jit
-    def _score_consumer(FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, w_smem, full, empty,
+    def _score_consumer(W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full, empty,
                         W: gl.constexpr, STAGES: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HALF_E, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         zero = gl.zeros([BLOCK_T_C, HALF_E], gl.float32, layout=s_layout)
         acc = gl.zeros([BLOCK_T_C, HALF_E], gl.float32, layout=s_layout)
+        rows = (tb * BLOCK_T_C + gl.arange(0, BLOCK_T_C, layout=row_layout)).to(gl.int64)
+        row_ok = rows < rows_c
+        w_rows = W_ + rows * HEADS_C
         for h in range(n_heads):
             stage = h % STAGES
+            w_h = gl.load(w_rows + h, mask=row_ok, other=0.0)
             # A head-dependent zero index on every shared-memory operand keeps the wgmma descriptors inside the
             # loop (see the attention forward: hoisted, they were spilled); n_heads is a runtime value, so it is
             # not folded to a constant.
@@ -111,13 +117,10 @@ if attn_gluon._IMPORTED:
             k_t = k_all.index(z).slice(W * HALF_E, HALF_E, dim=0).permute((1, 0))   # (128 dims, 128 entries)
             s = warpgroup_mma(ring.index(stage + z), k_t, zero, use_acc=False)
             mbarrier.arrive(empty.index(stage))
-            w_h = w_smem.index(h + z).load(row_layout)
             acc += w_h[:, None] * gl.maximum(s, 0.0)
         # acc starts at +0.0 and the sums never give -0.0: equal scores have equal bits (see the Triton kernel).
         bits = acc.to(gl.int32, bitcast=True)
         order = gl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        rows = (tb * BLOCK_T_C + gl.arange(0, BLOCK_T_C, layout=row_layout)).to(gl.int64)
-        row_ok = rows < rows_c
         first = gl.load(FIRST + rows, mask=row_ok, other=0).to(gl.int64)
         visible = gl.load(VISIBLE + rows, mask=row_ok, other=0).to(gl.int64)
         entries = e0 + W * HALF_E + gl.arange(0, HALF_E, layout=gl.SliceLayout(0, s_layout)).to(gl.int64)
@@ -133,7 +136,7 @@ if attn_gluon._IMPORTED:
         eb = gl.program_id(0)
         tb = gl.program_id(1)
         dtype: gl.constexpr = Q.dtype.element_ty
-        # The block's weights, one 64-row vector per head, and how many entries from e0 on some row sees.
+        # How many entries from e0 on some row of the block sees.
         rows = tb * BLOCK_T_C + gl.arange(0, BLOCK_T_C, layout=gl.BlockedLayout([1], [32], [4], [0]))
         row_ok = rows < rows_c
         e0 = gl.load(FIRST + tb * BLOCK_T_C).to(gl.int64) + eb * (2 * HALF_E)
@@ -142,10 +145,6 @@ if attn_gluon._IMPORTED:
         needed = gl.minimum(gl.maximum(gl.max(ends, 0) - e0, 0), 2 * HALF_E)
         # A block that no row sees (most of the grid's upper triangle) skips its products: nothing is stored there.
         n_heads = gl.where(needed > 0, HEADS_C, 0)
-        w_smem = gl.allocate_shared_memory(gl.float32, [HEADS_C, BLOCK_T_C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        w_rows = W_ + rows.to(gl.int64) * HEADS_C
-        for h in range(HEADS_C):
-            w_smem.index(h).store(gl.load(w_rows + h, mask=row_ok, other=0.0))
         k_all = gl.allocate_shared_memory(dtype, [1, 2 * HALF_E, HEAD_DIM_C],
                                           gl.NVMMASharedLayout.get_default_for([2 * HALF_E, HEAD_DIM_C], dtype))
         ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T_C, HEAD_DIM_C],
@@ -158,10 +157,10 @@ if attn_gluon._IMPORTED:
         async_copy.wait_group(0)
         gl.thread_barrier()
         gl.warp_specialize([
-            (_score_consumer, (FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, w_smem, full,
-                               empty, gl.constexpr(0), STAGES)),
-            (_score_consumer, (FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, w_smem, full,
-                               empty, gl.constexpr(1), STAGES)),
+            (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full, empty,
+                               gl.constexpr(0), STAGES)),
+            (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full, empty,
+                               gl.constexpr(1), STAGES)),
             (_score_producer, (Q, rows_c, tb, n_heads, ring, full, empty, STAGES))],
             [4, 4], [REGS[0], REGS[1]])
 
