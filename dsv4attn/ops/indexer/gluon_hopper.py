@@ -7,10 +7,11 @@ layout entries ``first[t] + j``, ``j < visible[t]``, key row ``(table[e] if tabl
 in increasing order) for every ``j < visible[t]``; other columns are not written.
 
 Layout: one program per (64 query rows, 256 layout entries), the grid of the Triton kernel (entries counted from
-the block's first row's first entry), three warpgroups:
+the block's first row's first entry). Before the split the program gathers its 256 key rows (cp.async), then:
 
-- producer: gathers the 256 key rows once (cp.async), then streams the 64 heads' query tiles (64 rows x 128) through
-  a ring of STAGES shared-memory stages;
+- producer: streams the 64 heads' query tiles (64 rows x 128, a box of the (rows, 64 * 128) query matrix) through a
+  ring of STAGES shared-memory stages, one TMA copy per tile from one warp (``CONFIG["TMA"]``; rows past the end
+  read as zeros), or cp.async from a warpgroup;
 - consumer W (W = 0, 1) owns entries [128 W, 128 W + 128): for every head, s = Q_h K_W^T (wgmma, M = 64 rows,
   N = 128 entries, K = 128), then acc += w[:, h] * relu(s) (fp32); both consumers read each query stage, which is
   released when both are done (count 2). Each consumer loads its rows' weight of head h from global memory before
@@ -23,8 +24,10 @@ from e0 below the block's largest ``first + visible``, gaps between documents in
 defined there, as the layouts' lowering tables are (every entry below the capacity).
 
 Why: the Triton kernel (7.2 ms at T = 32768, 0.39 of the matmul peak on an H200) loads each head's query tile
-synchronously between its dots; this one took 7.0 ms there with the weights staged in shared memory (H200, seventh
-session; BENCHMARKS.md).
+synchronously between its dots. This one, H200 at T = 32768 (seventh session, BENCHMARKS.md): 7.0 ms with the
+weights staged in shared memory, 5.5 ms with them from global memory, 4.9 ms with the TMA producer (0.58 of the
+matmul peak). Not done: issuing head h + 1's product before head h's ReLU-weight-sum (a second 64-register
+accumulator): ptxas spills it at the consumers' 216-240 registers, and the launch (384 threads) allows no more.
 """
 from __future__ import annotations
 
@@ -36,11 +39,14 @@ if attn_gluon._IMPORTED:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_T, BLOCK_E, HEADS, HEAD_DIM = 64, 256, 64, 128
-# STAGES: query tiles in flight (16 KiB each); REGS: registers per thread of the worker consumer and the producer.
-CONFIG = dict(STAGES=4, REGS=(216, 40))
+# STAGES: query tiles in flight (16 KiB each); REGS: registers per thread of the worker consumer and the producer;
+# TMA: the producer is one warp issuing one TMA copy per query tile (else four warps of cp.async, REGS (216, 40)).
+# H200, T = 32768 (seventh session): TMA 4.85-4.88 ms (6 stages: the same), cp.async 5.53-5.62 ms.
+CONFIG = dict(STAGES=4, REGS=(216, 24), TMA=True)
 
 
 def available(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -54,6 +60,7 @@ def available(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 if attn_gluon._IMPORTED:
+    _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
     BLOCK_T_C = gl.constexpr(BLOCK_T)
     HALF_E = gl.constexpr(BLOCK_E // 2)
     HEADS_C = gl.constexpr(HEADS)
@@ -95,6 +102,16 @@ if attn_gluon._IMPORTED:
         async_copy.wait_group(0)
 
     @gluon.jit
+    def _score_producer_tma(q_desc, tb, n_heads, ring, full, empty, STAGES: gl.constexpr):
+        # The same stream with one TMA copy per (64 rows x 128) query tile; rows past the end read as zeros.
+        for h in range(n_heads):
+            stage = h % STAGES
+            mbarrier.wait(empty.index(stage), ((h // STAGES) + 1) & 1, pred=h >= STAGES)
+            mbarrier.expect(full.index(stage), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [tb * BLOCK_T_C, h * HEAD_DIM_C], full.index(stage),
+                                            ring.index(stage))
+
+    @gluon.jit
     def _score_consumer(W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full, empty,
                         W: gl.constexpr, STAGES: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -129,9 +146,9 @@ if attn_gluon._IMPORTED:
         gl.store(ORDERS + rows[:, None] * width + j, order, mask=valid)
 
     @gluon.jit
-    def _indexer_orders_gluon(Q, K, W_, FIRST, VISIBLE, TABLE, ORDERS, rows_c, width, shift,
+    def _indexer_orders_gluon(Q, Q_DESC, K, W_, FIRST, VISIBLE, TABLE, ORDERS, rows_c, width, shift,
                               HAS_TABLE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-                              REGS: gl.constexpr):
+                              REGS: gl.constexpr, TMA: gl.constexpr):
         # Entry blocks vary fastest (as in the Triton kernel): neighbouring programs share query rows in L2.
         eb = gl.program_id(0)
         tb = gl.program_id(1)
@@ -149,20 +166,29 @@ if attn_gluon._IMPORTED:
                                           gl.NVMMASharedLayout.get_default_for([2 * HALF_E, HEAD_DIM_C], dtype))
         ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T_C, HEAD_DIM_C],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_T_C, HEAD_DIM_C], dtype))
-        full = attn_gluon.mbarriers(STAGES, 128)
+        full = attn_gluon.mbarriers(STAGES, 1 if TMA else 128)
         empty = attn_gluon.mbarriers(STAGES, 2)
         # The keys by this partition, before the split (the producer's 40 registers spilled on these addresses).
         _gather_keys(K, TABLE, shift, e0, needed, k_all.index(0), HAS_TABLE)
         async_copy.commit_group()
         async_copy.wait_group(0)
         gl.thread_barrier()
-        gl.warp_specialize([
-            (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full, empty,
-                               gl.constexpr(0), STAGES)),
-            (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full, empty,
-                               gl.constexpr(1), STAGES)),
-            (_score_producer, (Q, rows_c, tb, n_heads, ring, full, empty, STAGES))],
-            [4, 4], [REGS[0], REGS[1]])
+        if TMA:
+            gl.warp_specialize([
+                (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full,
+                                   empty, gl.constexpr(0), STAGES)),
+                (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full,
+                                   empty, gl.constexpr(1), STAGES)),
+                (_score_producer_tma, (Q_DESC, tb, n_heads, ring, full, empty, STAGES))],
+                [4, 1], [REGS[0], REGS[1]])
+        else:
+            gl.warp_specialize([
+                (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full,
+                                   empty, gl.constexpr(0), STAGES)),
+                (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full,
+                                   empty, gl.constexpr(1), STAGES)),
+                (_score_producer, (Q, rows_c, tb, n_heads, ring, full, empty, STAGES))],
+                [4, 4], [REGS[0], REGS[1]])
 
 
 def launch_orders(q, k, w, first, visible, table, shift: int, width: int, orders, config=None) -> None:
@@ -171,6 +197,11 @@ def launch_orders(q, k, w, first, visible, table, shift: int, width: int, orders
     cfg = dict(CONFIG, **(config or {}))
     rows_c = q.shape[0]
     grid = ((2 * width + BLOCK_T + BLOCK_E - 1) // BLOCK_E, (rows_c + BLOCK_T - 1) // BLOCK_T)
+    q_desc = q
+    if cfg["TMA"]:
+        layout = gl.NVMMASharedLayout.get_default_for([BLOCK_T, HEAD_DIM], _GL_DTYPES[q.dtype])
+        q_desc = TensorDescriptor.from_tensor(q.view(rows_c, HEADS * HEAD_DIM), [BLOCK_T, HEAD_DIM], layout)
     _indexer_orders_gluon[grid](
-        q, k, w, first, visible, table if table is not None else first, orders, rows_c, width, shift,
-        HAS_TABLE=table is not None, STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
+        q, q_desc, k, w, first, visible, table if table is not None else first, orders, rows_c, width, shift,
+        HAS_TABLE=table is not None, STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]),
+        TMA=bool(cfg["TMA"]))
