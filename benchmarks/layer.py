@@ -3,8 +3,10 @@
     python benchmarks/layer.py --preset flash --rows 8192 32768 131072 262144 --ratios 0 4 128 \
         --phases dense warmup sparse [--breakdown] [--backend reference]
 
-Each case runs once to warm up, then once timed. ``live before`` is the memory still allocated when the case
-starts (after garbage collection): anything but the inputs there means the previous case leaked.
+Each case runs once to warm up, then once timed. ``peak reserved`` is the caching allocator's peak (what the
+process held from the driver); ``live before`` is the memory still allocated when the case starts (after garbage
+collection): anything but the inputs there means the previous case leaked. ``doc`` is the document length
+(``--doc-len``; the batch is T / doc documents back to back).
 
 ``--breakdown`` records the arguments of every op call the timed step makes (compressor pooling, indexer top-k,
 sparse attention, indexer KL) and replays each call on its own, forward and forward + backward, median of 3.
@@ -111,8 +113,10 @@ def run_case(layer, x, cu, doc, phase, device, record=False):
     del y
     x.grad = None
     layer.zero_grad(set_to_none=True)
-    peak = torch.cuda.max_memory_allocated() / gib if device.type == "cuda" else float("nan")
-    return fwd, total, peak, live, recorder.calls
+    cuda = device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated() / gib if cuda else float("nan")
+    reserved = torch.cuda.max_memory_reserved() / gib if cuda else float("nan")
+    return fwd, total, peak, reserved, live, recorder.calls
 
 
 def profile_case(layer, x, cu, doc, phase, device, rows: int) -> None:
@@ -163,8 +167,8 @@ def main() -> None:
     dsv4attn.set_backend(args.backend)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{args.preset} geometry, {dtype}, {name}, backend {args.backend}")
-    print("| T | ratio | phase | fwd ms | fwd+bwd ms | peak GiB | live before GiB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| T | doc | ratio | phase | fwd ms | fwd+bwd ms | peak GiB | peak reserved GiB | live before GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     details = []
     for T in args.rows:
         doc = args.doc_len or T
@@ -177,14 +181,15 @@ def main() -> None:
                 x = torch.randn(T, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
                 try:
                     run_case(layer, x, cu, doc, phase, device)
-                    fwd, total, peak, live, calls = run_case(layer, x, cu, doc, phase, device, args.breakdown)
+                    fwd, total, peak, reserved, live, calls = run_case(layer, x, cu, doc, phase, device,
+                                                                       args.breakdown)
                 except torch.OutOfMemoryError:
-                    print(f"| {T} | {ratio} | {phase} | OOM | OOM | - | - |", flush=True)
+                    print(f"| {T} | {doc} | {ratio} | {phase} | OOM | OOM | - | - | - |", flush=True)
                     gc.collect()
                     torch.cuda.empty_cache()
                     continue
-                print(f"| {T} | {ratio} | {phase} | {fwd:.1f} | {total:.1f} | {peak:.1f} | {live:.2f} |",
-                      flush=True)
+                print(f"| {T} | {doc} | {ratio} | {phase} | {fwd:.1f} | {total:.1f} | {peak:.1f} | {reserved:.1f} | "
+                      f"{live:.2f} |", flush=True)
                 if args.breakdown:
                     details.append((T, ratio, phase, fwd, total, breakdown(calls)))
                     del calls
