@@ -91,8 +91,9 @@ class GroupedLinear(nn.Module):
     """Block-diagonal projection: group g of the input (T, G, in) maps through ``weight.view(G, out, in)[g]``.
 
     ``weight`` is (G * out, in) as in HF ``o_a_proj`` / DeepSeek ``wo_a`` / Megatron ``linear_o_group_proj``.
-    Outside autocast the products are batched matmuls that read and write the (T, G, .) layouts in place
-    (:class:`_GroupedMatmul`); under autocast, the einsum (whose dtype autocast chooses).
+    The products are batched matmuls that read and write the (T, G, .) layouts in place (:class:`_GroupedMatmul`),
+    under autocast in its dtype (as the einsum's bmm would be); while ``torch.compile`` traces, and on devices without
+    autocast (meta), the einsum ``tgi,goi->tgo`` itself.
     """
 
     def __init__(self, in_per_group: int, out_per_group: int, groups: int):
@@ -102,7 +103,15 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.view(self.groups, self.out_per_group, -1)
-        if torch.is_autocast_enabled(x.device.type) or x.dtype != w.dtype:
+        device = x.device.type
+        # Dynamo refuses out= views; the einsum also keeps its dtype-mismatch error for mixed inputs.
+        if torch.compiler.is_compiling() or not torch.amp.is_autocast_available(device):
+            return torch.einsum("tgi,goi->tgo", x, w)
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            with torch.autocast(device, enabled=False):
+                return _GroupedMatmul.apply(x.to(dtype), w.to(dtype))
+        if x.dtype != w.dtype:
             return torch.einsum("tgi,goi->tgo", x, w)
         return _GroupedMatmul.apply(x, w)
 
@@ -123,6 +132,7 @@ class _GroupedMatmul(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, w = ctx.saved_tensors
         grad_g = grad.transpose(0, 1)                                    # (G, T, O) view

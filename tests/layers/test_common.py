@@ -1,6 +1,7 @@
 """Building blocks of the layers."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dsv4attn.layers.common import rms_norm_unweighted
@@ -85,11 +86,45 @@ def test_grouped_linear_equals_its_einsum_definition_and_gradchecks():
     torch.testing.assert_close(m(wide), torch.einsum("tgi,goi->tgo", wide, m.weight.view(3, 8, 16)))
 
 
-def test_grouped_linear_under_autocast_keeps_the_einsum_dtype():
+def test_grouped_linear_strided_input_and_gradient():
+    """Backward with a non-contiguous input (a column slice) and a broadcast upstream gradient (from ``sum``)."""
+    m = _grouped_linear()
+    x_leaf = torch.randn(7, 3 * 16 + 5, dtype=torch.float64, requires_grad=True)
+    dx, dw = torch.autograd.grad(m(x_leaf[:, :48].view(7, 3, 16)).sum(), (x_leaf, m.weight))
+    x2 = x_leaf.detach().clone().requires_grad_(True)
+    w2 = m.weight.detach().clone().requires_grad_(True)
+    dx2, dw2 = torch.autograd.grad(torch.einsum("tgi,goi->tgo", x2[:, :48].view(7, 3, 16), w2.view(3, 8, 16)).sum(),
+                                   (x2, w2))
+    torch.testing.assert_close(dx, dx2, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(dw, dw2, rtol=1e-13, atol=1e-13)
+    assert torch.equal(dx[:, 48:], torch.zeros_like(dx[:, 48:]))
+
+
+def test_grouped_linear_under_autocast_equals_the_einsum():
+    """Under autocast the batched matmuls run in the autocast dtype, bit for bit the einsum's result, and the fp32
+    weight still gets an fp32 gradient."""
     m = _grouped_linear(dtype=torch.float32)
     x = torch.randn(4, 3, 16)
+    g = torch.randn(4, 3, 8)
+    w2 = m.weight.detach().clone().requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = m(x)
-        want = torch.einsum("tgi,goi->tgo", x, m.weight.view(3, 8, 16))
+        want = torch.einsum("tgi,goi->tgo", x, w2.view(3, 8, 16))
     assert y.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(y, want, rtol=0, atol=0)
+    (dw,) = torch.autograd.grad(y, m.weight, g.to(y.dtype))
+    (dw2,) = torch.autograd.grad(want, w2, g.to(want.dtype))
+    assert dw.dtype == torch.float32
+    torch.testing.assert_close(dw, dw2, rtol=0, atol=0)
+
+
+def test_grouped_linear_on_meta_and_twice_differentiated():
+    """Meta tensors take the einsum; a second differentiation raises a clear error (the layer's attention op has no
+    double backward either)."""
+    m = _grouped_linear().to("meta")
+    assert m(torch.empty(5, 3, 16, dtype=torch.float64, device="meta")).shape == (5, 3, 8)
+    m = _grouped_linear()
+    x = torch.randn(5, 3, 16, dtype=torch.float64, requires_grad=True)
+    (dx,) = torch.autograd.grad(m(x).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
+        dx.sum().backward()

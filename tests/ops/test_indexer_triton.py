@@ -482,17 +482,20 @@ def test_score_kernel_choice(monkeypatch):
 
 @needs_cuda
 @pytest.mark.parametrize("values", ["int", "randn"])
-def test_cuda_gluon_score_orders_match_triton(values, monkeypatch):
+@pytest.mark.parametrize("producer, dtype", [("tma", torch.bfloat16), ("cp.async", torch.bfloat16),
+                                             ("tma", torch.float16)])
+def test_cuda_gluon_score_orders_match_triton(values, producer, dtype, monkeypatch):
     """The Gluon score kernel's orders against the Triton kernel's on a ragged Flash-geometry pack, seen through a
     permutation table with a shift and with T not a multiple of the 64-row block: equal orders (integer inputs:
     exact scores in any summation order) or scores within FLASH_SCORE_RTOL of the row's largest (random inputs), nothing
-    written past a row's candidates, and the Gluon kernel did run."""
+    written past a row's candidates, and the Gluon kernel did run; both query producers (TMA, cp.async)."""
     from dsv4attn.ops.indexer import gluon_hopper as gluon_scores
     from dsv4attn.ops.indexer import triton as ix_triton
     seed = int.from_bytes(os.urandom(2), "little")
-    q, k, w, candidates, _ = _flash_inputs(torch.bfloat16, values=values, seed=seed)
+    q, k, w, candidates, _ = _flash_inputs(dtype, values=values, seed=seed)
     if not gluon_scores.available(q, k):
         pytest.skip("needs an SM90 GPU and Triton's Gluon")
+    monkeypatch.setitem(gluon_scores.CONFIG, "TMA", producer == "tma")
     calls = []
     real = gluon_scores.launch_orders
     monkeypatch.setattr(gluon_scores, "launch_orders", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -521,3 +524,27 @@ def test_cuda_gluon_score_orders_match_triton(values, monkeypatch):
     a, b = score(got["gluon"]).where(seen, 0.0), score(got["triton"]).where(seen, 0.0)
     scale = b.abs().amax(1, keepdim=True).clamp(min=1e-30)
     assert ((a - b).abs() <= FLASH_SCORE_RTOL * scale).all(), f"scores differ beyond {FLASH_SCORE_RTOL} (seed {seed})"
+
+
+@needs_cuda
+def test_cuda_misaligned_q_takes_the_triton_score_kernel():
+    """A q whose base is not 16-byte aligned (TMA and 16-byte cp.async cannot read it): "auto" runs the Triton score
+    kernel, with the orders of an aligned copy; "gluon" refuses it with the availability error."""
+    from dsv4attn.ops.indexer import gluon_hopper as gluon_scores
+    from dsv4attn.ops.indexer import triton as ix_triton
+    q, k, w, candidates, _ = _flash_inputs(torch.bfloat16, values="int", seed=5)
+    if not gluon_scores.available(q, k):
+        pytest.skip("needs an SM90 GPU and Triton's Gluon")
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape).copy_(q)
+    assert shifted.data_ptr() % 16 != 0 and not gluon_scores.available(shifted, k)
+    first, visible, _, _ = ix_triton.contiguous_ranges(candidates)
+    width = candidates.width
+    got = {}
+    for name, qq, kernel in (("aligned", q, "gluon"), ("shifted", shifted, "auto")):
+        got[name] = ix_triton._score_orders(qq, k, w, first, visible, None, 0, width,
+                                            dict(ix_triton.CONFIG, SCORE_KERNEL=kernel),
+                                            out=torch.full((q.shape[0], width), 7, dtype=torch.int32, device="cuda"))
+    assert torch.equal(got["aligned"], got["shifted"])
+    with pytest.raises(ValueError, match="SCORE_KERNEL='gluon' needs"):
+        ix_triton._score_orders(shifted, k, w, first, visible, None, 0, width,
+                                dict(ix_triton.CONFIG, SCORE_KERNEL="gluon"))

@@ -183,7 +183,7 @@ def _worker() -> None:
         opcheck = {}
         for name, op, args in (("qnorm_rope", qt.qnorm_rope_op, (x.float(), cos, sin, EPS)),
                                ("rope_rotate", qt.rope_rotate_op, (x.float(), cos, sin, True)),
-                             ("rope_rotate_forward", qt.rope_rotate_op, (x.float(), cos, sin, False))):
+                               ("rope_rotate_forward", qt.rope_rotate_op, (x.float(), cos, sin, False))):
             args = (args[0].requires_grad_(True),) + args[1:]
             try:
                 torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration",

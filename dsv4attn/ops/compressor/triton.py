@@ -272,6 +272,7 @@ def _compress_pool_fwd(kv, gate, position_bias, first_row, entry_index, is_real,
     channels_first = fwd.pop("CHANNELS_FIRST", False)
     meta, launch = _tile_meta(fwd, ratio, d, kv.dtype)
     grid = (triton.cdiv(capacity, meta["BLOCK_E"]), d // meta["BLOCK_D"])
+    channels_first = channels_first and grid[0] <= 65535             # grid axis 1 holds at most 65535 blocks
     if channels_first:
         grid = grid[::-1]
     _compress_pool_fwd_kernel[grid](kv, gate, position_bias, first_row, entry_index, is_real, out, lse, pooled,

@@ -25,8 +25,8 @@ defined there, as the layouts' lowering tables are (every entry below the capaci
 
 Why: the Triton kernel (7.2 ms at T = 32768, 0.39 of the matmul peak on an H200) loads each head's query tile
 synchronously between its dots. This one, H200 at T = 32768 (seventh session, BENCHMARKS.md): 7.0 ms with the
-weights staged in shared memory, 5.5 ms with them from global memory, 4.9 ms with the TMA producer (0.58 of the
-matmul peak). Not done: issuing head h + 1's product before head h's ReLU-weight-sum (a second 64-register
+weights staged in shared memory, 5.5 ms with them from global memory, 4.7-4.9 ms with the TMA producer (0.58-0.60
+of the matmul peak). Not done: issuing head h + 1's product before head h's ReLU-weight-sum (a second 64-register
 accumulator): ptxas spills it at the consumers' 216-240 registers, and the launch (384 threads) allows no more.
 """
 from __future__ import annotations
@@ -43,20 +43,21 @@ if attn_gluon._IMPORTED:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_T, BLOCK_E, HEADS, HEAD_DIM = 64, 256, 64, 128
-# STAGES: query tiles in flight (16 KiB each); REGS: registers per thread of the worker consumer and the producer;
-# TMA: the producer is one warp issuing one TMA copy per query tile (else four warps of cp.async, REGS (216, 40)).
-# H200, T = 32768 (seventh session): TMA 4.85-4.88 ms (6 stages: the same), cp.async 5.53-5.62 ms.
-CONFIG = dict(STAGES=4, REGS=(216, 24), TMA=True)
+# STAGES: query tiles in flight (16 KiB each); TMA: the producer is one warp issuing one TMA copy per query tile
+# (else four warps of cp.async); REGS: registers per thread of the worker consumer and the producer, None: (216, 24)
+# with the TMA producer, (216, 40) with cp.async.
+# H200, T = 32768 (seventh session): TMA 4.70-4.88 ms (6 stages: the same), cp.async 5.53-5.62 ms.
+CONFIG = dict(STAGES=4, TMA=True, REGS=None)
 
 
 def available(q: torch.Tensor, k: torch.Tensor) -> bool:
     """True when :func:`launch_orders` can run: Gluon imported, SM90, bf16/fp16 q and k of one dtype, the Flash
-    indexer geometry (64 heads of 128)."""
+    indexer geometry (64 heads of 128), 16-byte aligned bases (TMA descriptors and 16-byte cp.async copies)."""
     if not attn_gluon._IMPORTED or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if k.dtype != q.dtype or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    return tuple(q.shape[1:]) == (HEADS, HEAD_DIM)
+    return tuple(q.shape[1:]) == (HEADS, HEAD_DIM) and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
 
 
 if attn_gluon._IMPORTED:
@@ -197,11 +198,12 @@ def launch_orders(q, k, w, first, visible, table, shift: int, width: int, orders
     cfg = dict(CONFIG, **(config or {}))
     rows_c = q.shape[0]
     grid = ((2 * width + BLOCK_T + BLOCK_E - 1) // BLOCK_E, (rows_c + BLOCK_T - 1) // BLOCK_T)
+    tma = bool(cfg["TMA"])
+    regs = tuple(cfg["REGS"] or ((216, 24) if tma else (216, 40)))
     q_desc = q
-    if cfg["TMA"]:
+    if tma:
         layout = gl.NVMMASharedLayout.get_default_for([BLOCK_T, HEAD_DIM], _GL_DTYPES[q.dtype])
         q_desc = TensorDescriptor.from_tensor(q.view(rows_c, HEADS * HEAD_DIM), [BLOCK_T, HEAD_DIM], layout)
     _indexer_orders_gluon[grid](
         q, q_desc, k, w, first, visible, table if table is not None else first, orders, rows_c, width, shift,
-        HAS_TABLE=table is not None, STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]),
-        TMA=bool(cfg["TMA"]))
+        HAS_TABLE=table is not None, STAGES=cfg["STAGES"], num_warps=4, REGS=regs, TMA=tma)

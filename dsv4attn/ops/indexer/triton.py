@@ -330,7 +330,8 @@ def _use_gluon_scores(q, k, config: dict) -> bool:
     choice = config.get("SCORE_KERNEL", "auto")
     if choice == "gluon" and not gluon_scores.available(q, k):
         raise ValueError("indexer top-k config: SCORE_KERNEL='gluon' needs Gluon, an SM90 GPU, bf16/fp16 q and k of "
-                         f"one dtype and 64 heads of 128; got q {tuple(q.shape)} {q.dtype}, k {k.dtype} on {q.device}")
+                         "one dtype, 64 heads of 128 and 16-byte aligned q and k; got q "
+                         f"{tuple(q.shape)} {q.dtype} (base % 16 = {q.data_ptr() % 16}), k {k.dtype} on {q.device}")
     return choice == "gluon" or (choice == "auto" and sparse_triton.FORWARD_KERNEL != "triton"
                                  and gluon_scores.available(q, k) and (q.shape[2], q.dtype) not in GLUON_FAILED)
 

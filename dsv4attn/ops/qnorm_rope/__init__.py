@@ -62,7 +62,8 @@ def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
     Returns:
         A new (T, H, D) tensor in ``x.dtype`` (never a view of ``x``), differentiable in ``x`` (the backward is the
         rotation by ``-angle``). Rotation in fp32 (fp64 for fp64 input) with cos/sin rounded to fp32 from float64
-        angles, one rounding to ``x.dtype``: what :func:`dsv4attn.rope.apply_rope` computes.
+        angles, one rounding to ``x.dtype``: the formula of :func:`dsv4attn.rope.apply_rope` (the reference; the
+        kernel may fuse its multiply-adds).
     """
     return _rotate("rope_rotate", x, positions, inv_freq)
 
