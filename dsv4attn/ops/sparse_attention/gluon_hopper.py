@@ -123,9 +123,13 @@ if _IMPORTED:
 
     @gluon.jit
     def _gather_rows(stage_smem, r: gl.constexpr, idx, KV, cols, D: gl.constexpr):
-        # cp.async of kv rows idx (-1: row 0, never read unmasked by the consumers) into rows r .. r + 16.
-        rows = gl.where(idx >= 0, idx, 0).to(gl.int64) * D
-        async_copy.async_copy_global_to_shared(stage_smem.slice(r, 16, dim=0), KV + rows[:, None] + cols[None, :])
+        # cp.async of kv rows idx into rows r .. r + 16. Empty slots (-1) are masked copies (zero-filled, never read
+        # unmasked by the consumers) that read no memory: as reads of row 0 they made every program of a pack with
+        # many empty slots (short documents) hammer the same L2 lines.
+        ok = idx >= 0
+        rows = gl.where(ok, idx, 0).to(gl.int64) * D
+        async_copy.async_copy_global_to_shared(stage_smem.slice(r, 16, dim=0), KV + rows[:, None] + cols[None, :],
+                                               mask=ok[:, None])
 
     @gluon.jit
     def _pp_producer(Q, KV, IDX, H, K, t, hb, q_smem, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
