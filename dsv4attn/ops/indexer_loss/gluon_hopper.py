@@ -50,8 +50,8 @@ if attn_gluon._IMPORTED:
     @gluon.jit
     def _kl_producer(QI, KI, IDX, K, t, n_end, qi_smem, ring, full, empty, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr):
-        # qi, then the key rows of every tile before n_end, 16 at a time (empty slots: masked copies, zero-filled
-        # without a read; their products are masked later).
+        # qi, then the key rows of every tile before n_end, 16 at a time (the attention's gather: empty slots are
+        # masked copies, zero-filled without a read; their products are masked later).
         io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         cols = gl.arange(0, HEAD_DIM_C, layout=gl.SliceLayout(0, io))
         for r in gl.static_range(0, HEADS_C, 16):
@@ -65,10 +65,7 @@ if attn_gluon._IMPORTED:
             for r in gl.static_range(0, BLOCK_N, 16):
                 n = b * BLOCK_N + r + gl.arange(0, 16, layout=gl.SliceLayout(1, io))
                 idx = gl.load(IDX + t * K + n, mask=n < K, other=-1)
-                ok = idx >= 0
-                rows = gl.where(ok, idx, 0).to(gl.int64) * HEAD_DIM_C
-                async_copy.async_copy_global_to_shared(ring.index(stage).slice(r, 16, dim=0),
-                                                       KI + rows[:, None] + cols[None, :], mask=ok[:, None])
+                attn_gluon._gather_rows(ring.index(stage), r, idx, KI, cols, HEAD_DIM_C)
             async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
             async_copy.commit_group()
         async_copy.wait_group(0)
