@@ -8,7 +8,9 @@ masked slots, backward = 2.5x forward. Run (CUDA, Triton):
     python benchmarks/sparse_attention.py --T 8192 32768 65536 --H 64 128 [--check-T 8192] [--sweep]
         [--flashmla .peers/flashmla] [--log out.txt]
 
-``--flashmla`` times FlashMLA's sparse prefill forward (``bash ../shared/peers/get_flashmla.sh``) on the same
+``--cudnn .peers`` times cuDNN Frontend's SM90 DSA backward (``bash ../shared/peers/get_cudnn_dsa.sh``; two calls)
+beside ours the same way, fed FlashMLA's out and lse when ``--flashmla`` is given. ``--flashmla`` times FlashMLA's
+sparse prefill forward (``bash ../shared/peers/get_flashmla.sh``) on the same
 inputs in the same run, alternating with our forward over 7 rounds (medians; the per-round ratios are printed);
 the project never depends on it. "peak MiB" is what a call allocates beyond its inputs;
 "mem/io" (forward+backward) is that plus q and kv over the bytes of q, kv, out, lse, dq, dkv (target <= 1.3).
@@ -63,6 +65,13 @@ def check(T: int, log) -> None:
     kern = run_grads(sparse_attention_triton, q, kv, idx, sink, grad_out)
     low = run_grads(sparse_attention_reference, q, kv, idx, sink, grad_out)
     exact = run_grads(sparse_attention_reference, q.double(), kv.double(), idx, sink.double(), grad_out.double())
+    from dsv4attn.ops.sparse_attention import triton as sat
+    if sat.backward_kernel(q) == "gluon":      # it forms Delta from the bf16 output: so does the reference it meets
+        from dsv4attn.ops.index_sets import Explicit
+        from dsv4attn.ops.sparse_attention.reference import reference_backward, reference_forward
+        o_low, l_low = reference_forward(q, kv, Explicit(idx), sink, D ** -0.5)
+        low[2:] = [x.double() for x in reference_backward(grad_out, q, kv, Explicit(idx), sink, l_low, D ** -0.5,
+                                                          out=o_low)]
     log(f"correctness at T={T} H={H} D={D} K={idx.shape[1]} bf16 (max abs error vs float64; kernel / reference-bf16;"
         f" bound 2x outputs, 3x grads)")
     for name, k, r, e in zip(("out", "lse", "dq", "dkv", "d_sink"), kern, low, exact):
@@ -82,7 +91,7 @@ def io_bytes(T: int, H: int, K: int) -> int:
 
 
 def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: str = "", heads: int = 64,
-          flashmla=None) -> None:
+          flashmla=None, cudnn=None) -> None:
     from dsv4attn.ops.sparse_attention import triton as sat
     from dsv4attn.ops.sparse_attention.reference import sparse_attention_reference
     from dsv4attn.ops.index_sets import Explicit
@@ -126,12 +135,35 @@ def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: st
         row("flashmla", "fwd", fm_ms, fwd_flop, peak_mib(fm_fwd))
         log(f"  (FlashMLA vs our forward: max |diff| / max |out| = {err:.2e}; {len(ratios)} alternating rounds,"
             f" per-round x FlashMLA {min(ratios):.3f} .. {max(ratios):.3f})")
+    cudnn_ms = ours_bwd_ms = None
+    if cudnn is not None:
+        # cuDNN's backward is fed FlashMLA's out and lse where FlashMLA is loaded (what Megatron pairs), else ours.
+        c_out, c_lse = (fm_fwd()[:2] if flashmla is not None else (out, lse))
+        c_idx = idx[:, None].contiguous()
+
+        def cudnn_bwd():
+            return cudnn(q, kv[:, None], c_out, grad_out, c_lse, sink, c_idx, softmax_scale=scale)
+
+        res = cudnn_bwd()
+        ours = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, bwd_cfg)
+        agree = " ".join(f"{name} {((a.float() - res[name].float().reshape(a.shape)).norm() / a.float().norm()).item():.1e}"
+                         for name, a in zip(("dq", "dkv", "d_sink"), ours))
+        ours_bwd_ms, cudnn_ms, ratios = paired_ms(bwd, cudnn_bwd)
+        row("cudnn", "bwd", cudnn_ms, 2.5 * fwd_flop, peak_mib(cudnn_bwd))
+        log(f"  (cuDNN vs our backward, relative Frobenius difference: {agree}; {len(ratios)} alternating rounds,"
+            f" per-round x cuDNN {min(ratios):.3f} .. {max(ratios):.3f})")
     for op, fn, flop in [("fwd", fwd, fwd_flop), ("bwd", bwd, 2.5 * fwd_flop), ("fwd+bwd", fwd_bwd, 3.5 * fwd_flop)]:
-        ms = ours_ms if op == "fwd" and fm_ms is not None else time_ms(fn)
+        ms = ours_ms if op == "fwd" and fm_ms is not None else (None if op == "bwd" and cudnn is not None
+                                                                 else time_ms(fn))
         # Labelled after the run: a Gluon kernel that could not be built has been replaced by then.
-        kernels = {"fwd": sat.forward_kernel(q, fwd_cfg), "bwd": sat.backward_kernels(q, bwd_cfg)}
-        impl = f"ours ({kernels[op]})" if op in kernels else "ours"
-        row(impl, op, ms, flop, peak_mib(fn), fm_ms if op == "fwd" else None)
+        bwd_kernel = "triton" if bwd_cfg is not None else sat.backward_kernel(q)
+        kernels = {"fwd": sat.forward_kernel(q, fwd_cfg), "bwd": bwd_kernel,
+                   "fwd+bwd": f"{sat.forward_kernel(q, fwd_cfg)} + {bwd_kernel}"}
+        impl = f"ours ({kernels[op]})"
+        base = fm_ms if op == "fwd" else None
+        if op == "bwd" and cudnn is not None:
+            base = cudnn_ms
+        row(impl, op, ms if not (op == "bwd" and cudnn is not None) else ours_bwd_ms, flop, peak_mib(fn), base)
     if with_reference:
         iset = Explicit(idx)
 
@@ -177,9 +209,7 @@ SWEEP_BWD = [dict(BLOCK_N=n, BLOCK_DK=dk, BLOCK_DV=dv, num_warps=w, num_stages=s
                                      (16, 64, 128, 4, 2), (32, 64, 128, 8, 2), (32, 128, 256, 8, 2)]]
 SWEEP_BWD += [
     dict(BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=128, num_warps=4, num_stages=2, RELAXED=True),   # sliced, relaxed atomics
-    _bwd("split3", 64, 8, 1, DELTA=dict(num_warps=4), DKV=dict(KERNEL="auto", BLOCK_N=32, num_warps=4)),  # default
-    _bwd("split3", 64, 8, 1, DELTA=dict(num_warps=4), DKV=dict(BLOCK_N=32, num_warps=4)),   # the same, Triton dKV
-    _bwd("split3", 64, 8, 1, DELTA=dict(num_warps=4), DKV=dict(KERNEL="gluon", GLUON=dict(BLOCK_N=16))),
+    _bwd("split3", 64, 8, 1, DELTA=dict(num_warps=4), DKV=dict(BLOCK_N=32, num_warps=4)),   # the Triton default
     _bwd("fused", 32, 8, 2, DELTA=dict(BLOCK_N=64, num_warps=4, num_stages=1)),
     _bwd("split", 64, 8, 1, DKV=dict(BLOCK_N=32, num_warps=4)),    # "split" at its best (per-pass sweep)
     _bwd("split", 32, 8, 2),
@@ -258,6 +288,8 @@ def main() -> None:
     parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--H", type=int, nargs="+", default=[64])
     parser.add_argument("--flashmla", default=None, help="folder made by get_flashmla.sh (optional baseline)")
+    parser.add_argument("--cudnn", default=None, help="folder holding cudnn_b of get_cudnn_dsa.sh, e.g. .peers "
+                        "(optional backward baseline; its first call stashes cudnn_a)")
     parser.add_argument("--check-T", type=int, default=8192, help="0 skips the correctness check")
     parser.add_argument("--reference-T", type=int, default=8192, help="T at which the reference is also timed")
     parser.add_argument("--sweep", choices=["fwd", "bwd", "both"], default=None,
@@ -273,11 +305,17 @@ def main() -> None:
         sys.path.insert(0, args.flashmla)
         from load_flashmla import load
         flashmla = load(args.flashmla)
-    log("| impl op | shape | ms (median) | TFLOP/s | / 782 peak | peak MiB | mem/io | x FlashMLA |")
+    cudnn = None
+    if args.cudnn:
+        sys.path.insert(0, f"{args.cudnn}/cudnn_b")
+        from load_cudnn_dsa import load as load_cudnn
+        cudnn = load_cudnn(f"{args.cudnn}/cudnn_b")
+    log("| impl op | shape | ms (median) | TFLOP/s | / 782 peak | peak MiB | mem/io | x peer (FlashMLA fwd, cuDNN bwd) |")
     log("|---|---|---|---|---|---|---|---|")
     for heads in args.H:
         for T in args.T:
-            bench(T, log, with_reference=(T == args.reference_T and heads == 64), heads=heads, flashmla=flashmla)
+            bench(T, log, with_reference=(T == args.reference_T and heads == 64), heads=heads, flashmla=flashmla,
+                  cudnn=cudnn)
             torch.cuda.empty_cache()
     if args.sweep:
         for heads in args.H:

@@ -275,8 +275,12 @@ def test_low_precision_error_vs_naive(dtype):
         assert torch.equal(torch.isfinite(got[i]), finite), name
         err = (got[i].double() - ref[i])[finite].abs().max().item()
         err_naive = (naive[i].double() - ref[i])[finite].abs().max().item()
-        # 1e-7 absolute floor: fp32 results of both can round to the float64 value exactly.
-        if not err <= factor * err_naive + 1e-7:
+        # fp32 results (lse, dsink, and every result at fp32) carry no low-precision rounding, only fp32 summation
+        # order, which the CPU's matmul kernels set (AVX-512 vs AVX2 machines order the sums differently): both
+        # errors are then ~1e-7 relative and their ratio means nothing, so 1e-6 of the largest float64 magnitude
+        # bounds that noise, as in the GPU tests.
+        floor = 1e-6 * ref[i][finite].abs().max().item()
+        if not err <= factor * err_naive + floor:
             failures.append(f"{name}: error {err:.3e} > {factor} x naive error {err_naive:.3e}")
     assert not failures, "; ".join(failures)
 
@@ -444,7 +448,7 @@ def test_opcheck(with_length):
     length = length if with_length else None
     q, kv, sink = (t.requires_grad_(True) for t in (q, kv, sink))
     torch.library.opcheck(sparse_attention_op, (q, kv, idx, sink, 0.3, length, False, "reference"))
-    _, lse = sparse_attention_op(q, kv, idx, sink, 0.3, length, False, "reference")
+    out, lse = sparse_attention_op(q, kv, idx, sink, 0.3, length, False, "reference")
     grad_out = torch.randn(q.shape, dtype=torch.float64)
-    torch.library.opcheck(sparse_attention_backward_op,
-                          (grad_out, q.detach(), kv.detach(), idx, sink.detach(), lse, 0.3, length, True, "reference"))
+    torch.library.opcheck(sparse_attention_backward_op, (grad_out, q.detach(), kv.detach(), idx, sink.detach(),
+                                                         out.detach(), lse, 0.3, length, True, "reference"))

@@ -1,4 +1,4 @@
-"""The Gluon (SM90) sparse-attention forward and backward dKV pass against the float64 reference, on the edge cases
+"""The Gluon (SM90) sparse-attention forward and one-pass backward against the float64 reference, on the edge cases
 of the contract; their refusals and dispatch (on any machine).
 
 Runs only where the kernel applies (an SM90 GPU with Triton's Gluon); the V4-shape accuracy test of
@@ -198,51 +198,69 @@ def test_teacher_mass_refuses_odd_rings():
             gluon_hopper.teacher_mass(q, None, None, None, 0.1, {"STAGES": stages})
 
 
-def _dkv_config(kernel, gluon=None):
-    """The D = 512 default backward config with its dKV pass's KERNEL (and Gluon tiles) replaced."""
-    base = sat.BWD_CONFIGS[512]
-    return dict(base, DKV=dict(base["DKV"], KERNEL=kernel, GLUON=gluon))
-
-
 @sm90
-@pytest.mark.parametrize("T,H,K,N,dtype,sink_kind,config", [
-    (64, 64, 640, 300, torch.bfloat16, "random", None),
-    (48, 128, 600, 1000, torch.bfloat16, "random", None),     # two head blocks; K not a multiple of the tile
-    (40, 64, 100, 50, torch.float16, "-inf", None),
-    (20, 64, 7, 5, torch.bfloat16, "large", None),            # fewer slots than one tile
-    (17, 64, 96, 1, torch.float16, "random", None),           # one kv row: every valid slot adds to it
-    (30, 64, 200, 400, torch.bfloat16, "random", dict(BLOCK_N=16)),
-    (26, 64, 130, 90, torch.bfloat16, "random", dict(BLOCK_N=16, STAGES=4)),
-    (9, 64, 0, 10, torch.bfloat16, "random", None),           # no slots at all
+@pytest.mark.parametrize("T,H,K,N,dtype,sink_kind", [
+    (64, 64, 640, 300, torch.bfloat16, "random"),
+    (48, 128, 600, 1000, torch.bfloat16, "random"),     # two head blocks; K not a multiple of the tile
+    (40, 64, 100, 50, torch.float16, "-inf"),
+    (20, 64, 7, 5, torch.bfloat16, "large"),            # fewer slots than one tile
+    (17, 64, 96, 1, torch.float16, "random"),           # one kv row: every valid slot adds to it
+    (30, 64, 64, 400, torch.bfloat16, "random"),        # exactly one tile
+    (26, 64, 65, 90, torch.bfloat16, "random"),         # one tile and one slot
+    (9, 64, 0, 10, torch.bfloat16, "random"),           # no slots at all
 ])
-def test_gluon_dkv_matches_float64_reference(T, H, K, N, dtype, sink_kind, config):
-    """The backward with the Gluon dKV pass (Delta and dq in Triton): dq, dkv and d_sink in the public dtypes within
-    3x the reference op's own error in the same dtype, both against float64, + 1e-6 of the largest magnitude."""
+def test_gluon_backward_matches_float64_reference(T, H, K, N, dtype, sink_kind):
+    """The one-pass Gluon backward: dq, dkv and d_sink in the public dtypes within 3x the reference's own error in the
+    same dtype with Delta formed the same way (from the low-precision output), both against float64, + 1e-6 of the
+    largest magnitude."""
     D = 512
     gen = torch.Generator().manual_seed(T * 11 + K)
     q, kv, idx, sink = inputs(T, H, D, K, N, dtype, gen, sink_kind)
     grad_out = torch.randn(T, H, D, generator=gen).to("cuda", dtype)
     scale = D ** -0.5
+    assert sat.backward_kernel(q) == "gluon"
     out, lse = sat._sparse_attn_fwd(q, kv, idx, sink, scale)
-    dq, dkv, d_sink = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, _dkv_config("gluon", config))
-    got = (dq, dkv.to(dtype), d_sink)
-    low_lse = reference_forward(q, kv, Explicit(idx), sink, scale)[1]
-    low = reference_backward(grad_out, q, kv, Explicit(idx), sink, low_lse, scale)
+    dq_k, dkv, d_sink = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale)
+    got = (dq_k, dkv.to(dtype), d_sink)
+    low_out, low_lse = reference_forward(q, kv, Explicit(idx), sink, scale)
+    low = reference_backward(grad_out, q, kv, Explicit(idx), sink, low_lse, scale, out=low_out)
     q64, kv64, sink64 = q.double(), kv.double(), sink.double()
     lse64 = reference_forward(q64, kv64, Explicit(idx), sink64, scale)[1]
     exact = reference_backward(grad_out.double(), q64, kv64, Explicit(idx), sink64, lse64, scale)
+    failures = []
     for name, k, r, e in zip(("dq", "dkv", "d_sink"), got, low, exact):
         k, r, e = k.double(), r.double(), e.double()
-        assert torch.isfinite(k).all(), f"{name}: not finite"
+        if not torch.isfinite(k).all():
+            failures.append(f"{name}: not finite")
+            continue
         err_k, err_r = (k - e).abs().max().item(), (r - e).abs().max().item()
-        assert err_k <= 3.0 * err_r + 1e-6 * e.abs().max().item(), \
-            f"{name}: kernel error {err_k:.3e}, reference {dtype} error {err_r:.3e}"
+        if not err_k <= 3.0 * err_r + 1e-6 * e.abs().max().item():
+            failures.append(f"{name}: kernel error {err_k:.3e}, reference {dtype} error {err_r:.3e}")
+    assert not failures, "; ".join(failures)
+
+
+@sm90
+def test_gluon_backward_rows_without_slots_get_zero_gradients():
+    D, H, T, N = 512, 64, 12, 40
+    gen = torch.Generator().manual_seed(5)
+    q, kv, idx, sink = inputs(T, H, D, 70, N, torch.bfloat16, gen)
+    idx[:] = -1
+    idx[4, 3] = 7                                            # one valid slot in one row
+    grad_out = torch.randn(T, H, D, generator=gen).to("cuda", torch.bfloat16)
+    out, lse = sat._sparse_attn_fwd(q, kv, idx, sink, D ** -0.5)
+    dq, dkv, d_sink = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, D ** -0.5)
+    others = torch.ones(T, dtype=torch.bool, device="cuda")
+    others[4] = False
+    assert torch.equal(dq[others], torch.zeros_like(dq[others]))
+    rows = torch.ones(N, dtype=torch.bool, device="cuda")
+    rows[7] = False
+    assert torch.equal(dkv[rows], torch.zeros_like(dkv[rows])) and dkv[7].abs().sum() > 0
+    assert torch.isfinite(d_sink).all()
 
 
 def _stub_bwd(monkeypatch, gluon_error=None):
-    """Backward dispatch harness: the Gluon dKV pass looks available; its launch is recorded as "gluon" (or raises
-    ``gluon_error``), Triton launches are recorded by their parts. Returns the record and _rows_bwd's arguments up
-    to the config."""
+    """Backward dispatch harness: the one-pass Gluon backward looks available; its launch is recorded as "gluon" (or
+    raises ``gluon_error``), Triton launches by their parts. Returns the record and _sparse_attn_bwd's arguments."""
     launched = []
 
     def gluon(*args, **kwargs):
@@ -251,82 +269,63 @@ def _stub_bwd(monkeypatch, gluon_error=None):
             raise gluon_error
 
     def triton_launch(kernel, grid_of, q, c, args):
-        launched.append(("DELTA" if c["DELTA_PASS"] else "") + ("DQ" if c["DO_DQ"] else "")
-                        + ("DKV" if c["DO_DKV"] else "") + ("-det" if c["DETERMINISTIC"] else ""))
+        launched.append(("DELTA" if c.get("DELTA_PASS") else "") + ("DQ" if c.get("DO_DQ") else "")
+                        + ("DKV" if c.get("DO_DKV") else "") + ("-det" if c.get("DETERMINISTIC") else ""))
 
     monkeypatch.setattr(sat, "GLUON_BWD_FAILED", {})
     monkeypatch.setattr(sat, "FORWARD_KERNEL", "auto")
     monkeypatch.setattr(gluon_hopper_bwd, "available", lambda q: True)
-    monkeypatch.setattr(gluon_hopper_bwd, "launch_dkv", gluon)
+    monkeypatch.setattr(gluon_hopper_bwd, "launch", gluon)
     monkeypatch.setattr(sat, "_launch", triton_launch)
+    monkeypatch.setattr(sat, "_delta_from_out", lambda out, g: torch.zeros(out.shape[:2]))
     monkeypatch.setattr(sat, "add_rows_by_key", lambda *args: None)
     T, H, D, K = 2, 64, 512, 4
     q, kv = torch.zeros(T, H, D, dtype=torch.bfloat16), torch.zeros(3, D, dtype=torch.bfloat16)
-    f32 = torch.zeros(T, H)
-    return launched, (q, kv, torch.zeros(T, K, dtype=torch.int32), q, f32, f32, q.clone(), torch.zeros(3, D), 0.1)
+    return launched, (q, kv, torch.zeros(T, K, dtype=torch.int32), torch.zeros(H), q.clone(), torch.zeros(T, H),
+                      q.clone(), 0.1)
 
 
-def _run(args, config, deterministic=False):
-    config = dict(config)
-    sat._rows_bwd(*args, config, deterministic, sat.BWD_PASSES[config.pop("LAYOUT")])
-
-
-def test_default_backward_takes_the_gluon_dkv_pass_where_it_applies(monkeypatch):
-    """D = 512 default: Delta and dq in Triton, dKV by Gluon; the deterministic mode, DSV4ATTN_FORWARD_KERNEL=triton
-    and machines without the kernel run the Triton dKV pass after the same Delta and dq launches."""
+def test_default_backward_takes_the_one_pass_gluon_kernel_where_it_applies(monkeypatch):
+    """SM90 default: the one-pass Gluon backward alone; the deterministic mode, DSV4ATTN_FORWARD_KERNEL=triton, an
+    explicit Triton config and machines without the kernel run the Triton passes."""
     launched, args = _stub_bwd(monkeypatch)
-    _run(args, sat.BWD_CONFIGS[512])
-    assert launched == ["DELTA", "DQ", "gluon"]
+    sat._sparse_attn_bwd(*args)
+    assert launched == ["gluon"]
     launched.clear()
-    _run(args, sat.BWD_CONFIGS[512], deterministic=True)
+    sat._sparse_attn_bwd(*args, deterministic=True)
     assert launched == ["DELTA", "DQ", "DKV-det"]
     launched.clear()
+    sat._sparse_attn_bwd(*args, sat.BWD_CONFIGS[512])
+    assert launched == ["DELTA", "DQ", "DKV"]
+    launched.clear()
     monkeypatch.setattr(sat, "FORWARD_KERNEL", "triton")
-    _run(args, sat.BWD_CONFIGS[512])
+    sat._sparse_attn_bwd(*args)
     monkeypatch.setattr(sat, "FORWARD_KERNEL", "auto")
     monkeypatch.setattr(gluon_hopper_bwd, "available", lambda q: False)
-    _run(args, sat.BWD_CONFIGS[512])
+    sat._sparse_attn_bwd(*args)
     assert launched == ["DELTA", "DQ", "DKV"] * 2
 
 
-def test_gluon_dkv_build_failure_falls_back_to_the_triton_pass_once(monkeypatch):
+def test_gluon_backward_build_failure_falls_back_to_the_triton_passes_once(monkeypatch):
     launched, args = _stub_bwd(monkeypatch, PTXASError("this Triton cannot build the Gluon kernel"))
-    with pytest.warns(RuntimeWarning, match="Gluon dKV kernel could not be built for D=512"):
-        _run(args, sat.BWD_CONFIGS[512])
-    assert launched == ["DELTA", "DQ", "gluon (failed)", "DKV"] and (512, torch.bfloat16) in sat.GLUON_BWD_FAILED
+    with pytest.warns(RuntimeWarning, match="Gluon sparse-attention backward could not be built for D=512"):
+        sat._sparse_attn_bwd(*args)
+    assert launched == ["gluon (failed)", "DELTA", "DQ", "DKV"] and (512, torch.bfloat16) in sat.GLUON_BWD_FAILED
     with warnings.catch_warnings():
         warnings.simplefilter("error")                                    # not tried again, no second warning
-        _run(args, sat.BWD_CONFIGS[512])
-    assert launched == ["DELTA", "DQ", "gluon (failed)", "DKV", "DELTA", "DQ", "DKV"]
-    with pytest.raises(PTXASError, match="cannot build"):                 # an explicit request raises
-        _run(args, _dkv_config("gluon"))
+        sat._sparse_attn_bwd(*args)
+    assert launched == ["gluon (failed)", "DELTA", "DQ", "DKV", "DELTA", "DQ", "DKV"]
+    assert sat.backward_kernel(args[0]) == "triton"
 
 
-def test_gluon_dkv_does_not_hide_errors_that_are_not_build_failures(monkeypatch):
+def test_gluon_backward_does_not_hide_errors_that_are_not_build_failures(monkeypatch):
     launched, args = _stub_bwd(monkeypatch, ValueError("a bug, not a build failure"))
     with pytest.raises(ValueError, match="a bug"):
-        _run(args, sat.BWD_CONFIGS[512])
-    assert launched == ["DELTA", "DQ", "gluon (failed)"] and sat.GLUON_BWD_FAILED == {}
+        sat._sparse_attn_bwd(*args)
+    assert launched == ["gluon (failed)"] and sat.GLUON_BWD_FAILED == {}
 
 
-def test_gluon_dkv_refusals(monkeypatch):
-    _, args = _stub_bwd(monkeypatch, AssertionError("must not run"))
-    with pytest.raises(ValueError, match="no deterministic mode"):
-        _run(args, _dkv_config("gluon"), deterministic=True)
-    with pytest.raises(ValueError, match="KERNEL of pass 'DELTA' must be .* 'triton' for the others, got 'gluon'"):
-        _run(args, dict(_dkv_config("gluon"), DELTA=dict(KERNEL="gluon")))
-    with pytest.raises(ValueError, match="must be 'auto', 'gluon' or 'triton' for the dKV pass.*got 'cuda'"):
-        _run(args, _dkv_config("cuda"))
-    monkeypatch.setattr(gluon_hopper_bwd, "available", lambda q: False)
-    with pytest.raises(ValueError, match="needs Gluon, an SM90 GPU"):
-        _run(args, _dkv_config("gluon"))
-
-
-def test_gluon_dkv_config_keys_are_checked():
+def test_gluon_backward_config_keys_are_checked():
     q = torch.zeros(2, 64, 512, dtype=torch.bfloat16)
-    for bad, match in ((dict(BLOCK_DV=64), r"unknown keys \['BLOCK_DV'\]"),
-                       (dict(BLOCK_N=64), "BLOCK_N must be 16 or 32"),
-                       (dict(STAGES=3), "STAGES must be even and >= 2, got 3"),
-                       (dict(STAGES=4), "STAGES=4 x BLOCK_N=32 needs 278528 bytes of shared memory at D=512")):
-        with pytest.raises(ValueError, match=match):
-            gluon_hopper_bwd.launch_dkv(q, None, None, None, None, None, None, 0.1, bad)
+    with pytest.raises(ValueError, match=r"unknown keys \['BLOCK_N'\]"):
+        gluon_hopper_bwd.launch(q, None, None, torch.zeros(2, 3), None, None, None, None, 0.1, dict(BLOCK_N=32))

@@ -1,34 +1,39 @@
-"""dKV of the sparse MQA attention backward for Hopper (SM90) in Gluon.
+"""Sparse MQA attention backward for Hopper (SM90) in Gluon: one pass over the slots, nothing recomputed.
 
-Contract (the dKV part of :func:`.triton._sparse_attn_bwd`): ``q``, ``do (T, H, D)`` bf16/fp16 with H a multiple of
-64, ``kv (N >= 1, D)``, ``idx (T, K)`` int32 (-1 = empty slot), ``denom2 (T, H)`` fp32 = log2 of each head's full
-denominator logaddexp(lse, sink), ``delta (T, H)`` fp32 = sum_k p_k dO.v_k -> adds to ``dkv (N, D)`` fp32, for every
-valid slot k of row t, ``scale * dz[:, k]^T q[t] + p[:, k]^T dO[t]`` with ``p = exp2(scale log2e q.kv - denom2)``
-and ``dz = p * (dO.kv - delta)``; the operands of the two products are rounded to the input dtype (fp32 sums), as
-in the Triton kernels. fp32 atomic adds, relaxed order (nothing reads dKV before the kernel ends).
+Contract (called by :func:`.triton._sparse_attn_bwd`): ``q``, ``do (T, H, D)`` bf16/fp16 with H a multiple of 64 and
+D = 512, ``kv (N >= 1, D)`` in q's dtype, ``idx (T, K)`` int32 (-1 = empty slot), ``denom2 (T, H)`` fp32 = log2 of
+each head's full denominator logaddexp(lse, sink), ``delta (T, H)`` fp32 = rowsum(dO * out) ->
 
-Why: the best Triton dKV pass takes 39.3 ms at T = 32768, H = 64, K = 640 (H200), and not because of its atomics
-(plain stores in their place take the same time, BENCHMARKS.md, sixth session): it loads each gathered tile
-synchronously and runs its GEMMs one after the other in one warpgroup set. Here a producer gathers asynchronously
-and two consumers overlap one's GEMMs with the other's softmax-side work and atomics: 22.7 ms.
+- ``dq (T, H, D)`` in q's dtype: ``dq[t] = sum_k ds[:, k] kv[idx[t, k]]``, written once;
+- adds to ``dkv (N, D)`` fp32, for every valid slot k of row t, ``ds[:, k]^T q[t] + p[:, k]^T dO[t]``;
+
+with ``p = exp2(scale log2e q.kv - denom2)`` (0 at empty slots) and ``ds = scale p (dO.kv - delta)``; the operands of
+every product are rounded to the input dtype, sums are fp32. Delta comes from the bf16/fp16 output (the caller's
+elementwise pre-pass), as FlashAttention and cuDNN form it, so each 64-slot tile costs exactly the five products of
+the gradient: S = Q KV^T, dP = dO KV^T, dQ += dS KV, dKV = P^T dO + dS^T Q.
 
 Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_specialize``):
 
-- producer: q and dO of the head block, then the kv rows of every BLOCK_N slots into a ring (the forward's
-  producer, :func:`.gluon_hopper.ring_gather`);
-- consumer W (W = 0, 1) takes the tiles b = W, W + 2, ... on its own: s = Q K^T and dp = dO K^T (wgmma, M = 64
-  heads), releases the ring stage, forms p (fp32, zero at empty slots) and ``scale * dz`` in registers, stores them
-  (bf16/fp16) to its shared-memory buffers and forms the tile's dKV^T = q^T dz + dO^T p (M = D columns,
-  N = BLOCK_N slots, K = 64 heads), which it adds to dKV.
+- producer: q and dO of the head block (cp.async), then the kv rows of each 64-slot tile into a one-stage ring
+  (:func:`.gluon_hopper.ring_gather`; q, dO and the tile take 192 KiB, so one stage is all that fits);
+- softmax warpgroup (the default partition): S and dP (asynchronous wgmma, back to back), P and dS in registers,
+  stored to the tile's P / dS buffers (two of each, alternating by tile) for the dKV warpgroup, then
+  dQ[:, :D/2] += dS KV[:, :D/2]; releases the kv stage;
+- dKV warpgroup: dQ[:, D/2:] += dS KV[:, D/2:], releases the kv stage (the producer's next gather then runs under
+  this warpgroup's dKV products), then dKV in eight 64-column chunks, each P^T dO + dS^T Q in one accumulator
+  (M = 64 slots), added to dKV with fp32 reductions while the next chunk's products run; releases P / dS.
 
-Gluon kernels run only on the GPU: the GPU tests compare the backward with the float64 reference.
+The tensor-core work splits evenly: 2.5 of the tile's five products per consumer. dq stays in fp32 registers for the
+whole loop (each consumer holds its 64 x 256 half) and leaves through the kv stage's shared memory (free after the
+last tile) for whole-row stores. Gluon kernels run only on the GPU: the GPU tests compare this backward with the
+float64 reference.
 """
 from __future__ import annotations
 
 import torch
 
 from . import gluon_hopper
-from .gluon_hopper import BLOCK_H, LOG2E
+from .gluon_hopper import BLOCK_H
 
 if gluon_hopper._IMPORTED:
     from triton.experimental import gluon
@@ -36,116 +41,170 @@ if gluon_hopper._IMPORTED:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-# BLOCK_N gathered rows per tile, STAGES ring depth (even; shared memory at D = 512: q + dO 128 KiB, ring 64 KiB,
-# p / dz buffers 16 KiB), REGS registers per thread of the worker consumer and of the producer. H200, T = 32768,
-# H = 64, K = 640: 22.7 ms; REGS (232, 24) 22.7; 16-row tiles 26.7.
-DKV_CONFIG = dict(BLOCK_N=32, STAGES=2, REGS=(216, 40))
+BLOCK_N = 64          # slots per tile: the dKV products need M = 64 slots per wgmma
+DKV_CHUNK = 64        # dKV columns per accumulator
+# REGS: registers per thread of the dKV warpgroup and of the producer (setmaxnreg); the softmax warpgroup gets
+# the rest of the 64K (256 at (216, 40)).
+BWD_CONFIG = dict(REGS=(216, 40))
 SHARED_MEMORY_BYTES = 232448                   # the most one SM90 thread block may allocate
 
 
 def available(q: torch.Tensor) -> bool:
-    """True when :func:`launch_dkv` can run for ``q`` (SM90, bf16/fp16, H % 64 == 0, D = 512)."""
+    """True when :func:`launch` can run for ``q`` (SM90, Gluon, bf16/fp16, H % 64 == 0, D = 512)."""
     return gluon_hopper.available(q) and q.shape[2] == 512
 
 
 if gluon_hopper._IMPORTED:
     BLOCK_H_C = gl.constexpr(BLOCK_H)
+    DKV_CHUNK_C = gl.constexpr(DKV_CHUNK)
 
     @gluon.jit
-    def _dkv_producer(Q, DO, KV, IDX, H, K, t, hb, q_smem, do_smem, ring, full, empty, D: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _bwd_producer(Q, DO, KV, IDX, H, K, t, hb, q_smem, do_smem, ring, full, empty, D: gl.constexpr,
+                      BLOCK_N: gl.constexpr):
         gluon_hopper.copy_heads(Q, H, t, hb, q_smem, D)
         gluon_hopper.copy_heads(DO, H, t, hb, do_smem, D)
         gluon_hopper.async_copy.commit_group()      # the first full[] arrival covers these copies too
-        gluon_hopper.ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, STAGES)
+        gluon_hopper.ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, 1)
 
     @gluon.jit
-    def _dkv_consumer(IDX, DKV, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf, dz_buf,
-                      full, empty, W: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        # Consumer W: tiles b = W, W + 2, ... (ring stages of its parity: STAGES is even), each on its own: s and dp
-        # (asynchronous wgmma, back to back), the stage released, p and scale * dz in registers, then through its
-        # shared-memory buffers into dKV^T = q^T dz + dO^T p (M = D, N = BLOCK_N, K = 64 heads) and the atomics.
-        # No hand-over between the consumers: while one forms p and dz or adds its tile, the other's GEMMs run
-        # (a version that split s / dp and the dKV columns between them, with hand-overs, took 25.4 ms, this one
-        # 22.7 ms at T = 32768, H = 64, K = 640).
+    def _store_dq(dq, DQ, t, H, hb, col0: gl.constexpr, staging, D: gl.constexpr):
+        # dq columns [col0, col0 + its width) of the head block, through ``staging`` (shared memory of its shape, free
+        # by now) so that each warp writes whole 512-byte row segments instead of the wgmma layout's 4-byte pieces.
+        staging.store(dq.to(DQ.dtype.element_ty))
+        gl.thread_barrier()
+        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        h_o = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, st_layout))
+        c_o = col0 + gl.arange(0, dq.shape[1], layout=gl.SliceLayout(0, st_layout))
+        gl.store(DQ + t * H * D + h_o.to(gl.int64)[:, None] * D + c_o[None, :], staging.load(st_layout))
+
+    @gluon.jit
+    def _bwd_softmax(IDX, DQ, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf, ds_buf,
+                     full, empty, pready, pfree, D: gl.constexpr, BLOCK_N: gl.constexpr):
+        HALF: gl.constexpr = D // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
-        row_base = t * K
-        nb = gl.cdiv(K, BLOCK_N)
+        q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
         heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, s_layout))
         denom2 = gl.load(DENOM2 + t * H + heads)
         delta = gl.load(DELTA + t * H + heads)
         s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
-        o_zero = gl.zeros([D, BLOCK_N], gl.float32, layout=s_layout)
-        cols = gl.arange(0, D, layout=gl.SliceLayout(1, s_layout))
-        for b in range(W, nb, 2):
-            stage = b % STAGES
-            # Operands through a block-dependent zero index (see gluon_hopper._pp_consumer: loop-invariant
-            # shared-memory bases get their wgmma descriptors hoisted and spilled).
+        dq = gl.zeros([BLOCK_H_C, HALF], gl.float32, layout=q_layout)
+        row_base = t * K
+        nb = gl.cdiv(K, BLOCK_N)
+        for b in range(nb):
+            # Shared-memory operands through a block-dependent zero index z (see gluon_hopper._pp_consumer: with
+            # loop-invariant bases the compiler hoists the wgmma descriptors out of the loop and spills them).
             z = (b + 1) // (nb + 1)
+            buf = b % 2
             n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
-            valid = idx >= 0
-            mbarrier.wait(full.index(stage), (b // STAGES) & 1)
+            mbarrier.wait(full.index(0), b & 1)
             fence_async_shared()
-            kv_t = ring.index(stage + z).permute((1, 0))
+            kv_t = ring.index(z).permute((1, 0))
             s = warpgroup_mma(q_all.index(z), kv_t, s_zero, use_acc=False, is_async=True)
             dp = warpgroup_mma(do_all.index(z), kv_t, s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s])
+            p = gl.where((idx >= 0)[None, :], gl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
             dp = warpgroup_mma_wait(0, deps=[dp])
-            mbarrier.arrive(empty.index(stage))
-            p = gl.where(valid[None, :], gl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
-            dz = p * (dp - delta[:, None]) * scale
-            p_buf.index(W + z).store(p.to(p_buf.dtype))
-            dz_buf.index(W + z).store(dz.to(dz_buf.dtype))
+            ds = p * (dp - delta[:, None]) * scale
+            # The dKV warpgroup is done with this buffer pair's tile b - 2.
+            mbarrier.wait(pfree.index(buf), ((b // 2) + 1) & 1, pred=b >= 2)
+            p_buf.index(buf + z).store(p.to(p_buf.dtype))
+            ds_buf.index(buf + z).store(ds.to(ds_buf.dtype))
             fence_async_shared()
-            acc = warpgroup_mma(q_all.index(z).permute((1, 0)), dz_buf.index(W + z), o_zero, use_acc=False)
-            acc = warpgroup_mma(do_all.index(z).permute((1, 0)), p_buf.index(W + z), acc)
-            rows = gl.where(valid, idx, 0).to(gl.int64) * D
-            gl.atomic_add(DKV + rows[None, :] + cols[:, None], acc, mask=valid[None, :], sem="relaxed")
+            mbarrier.arrive(pready.index(buf))
+            dq = warpgroup_mma(ds_buf.index(buf + z), ring.index(z).slice(0, HALF, dim=1), dq)
+            mbarrier.arrive(empty.index(0))
+        # The producer gathers nothing more and this warpgroup's last read of kv columns [0, HALF) is done.
+        _store_dq(dq, DQ, t, H, hb, 0, ring.index(0).slice(0, HALF, dim=1), D)
 
     @gluon.jit
-    def _sparse_attn_dkv_gluon(Q, DO, KV, IDX, DENOM2, DELTA, DKV, H, K, qk_scale_log2, scale,
-                               D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                               num_warps: gl.constexpr, REGS: gl.constexpr):
+    def _bwd_dkv(IDX, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready, pfree,
+                 D: gl.constexpr, BLOCK_N: gl.constexpr):
+        HALF: gl.constexpr = D // 2
+        CHUNKS: gl.constexpr = D // DKV_CHUNK_C
+        q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        c_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, DKV_CHUNK_C, 16])
+        dq = gl.zeros([BLOCK_H_C, HALF], gl.float32, layout=q_layout)
+        c_zero = gl.zeros([BLOCK_N, DKV_CHUNK_C], gl.float32, layout=c_layout)
+        cols = gl.arange(0, DKV_CHUNK_C, layout=gl.SliceLayout(0, c_layout))
+        row_base = t * K
+        nb = gl.cdiv(K, BLOCK_N)
+        for b in range(nb):
+            z = (b + 1) // (nb + 1)
+            buf = b % 2
+            n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, c_layout))
+            idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
+            valid = idx >= 0
+            rows = gl.where(valid, idx, 0).to(gl.int64) * D
+            mbarrier.wait(full.index(0), b & 1)
+            mbarrier.wait(pready.index(buf), (b // 2) & 1)
+            fence_async_shared()
+            dq = warpgroup_mma(ds_buf.index(buf + z), ring.index(z).slice(HALF, HALF, dim=1), dq)
+            mbarrier.arrive(empty.index(0))
+            p_t = p_buf.index(buf + z).permute((1, 0))          # (slots, heads)
+            ds_t = ds_buf.index(buf + z).permute((1, 0))
+            do_z = do_all.index(z)
+            q_z = q_all.index(z)
+            for c in gl.static_range(CHUNKS):
+                acc = warpgroup_mma(p_t, do_z.slice(c * DKV_CHUNK_C, DKV_CHUNK_C, dim=1), c_zero, use_acc=False)
+                acc = warpgroup_mma(ds_t, q_z.slice(c * DKV_CHUNK_C, DKV_CHUNK_C, dim=1), acc)
+                if c + 1 == CHUNKS:
+                    mbarrier.arrive(pfree.index(buf))           # the last products have read P and dS
+                gl.atomic_add(DKV + rows[:, None] + (c * DKV_CHUNK_C + cols)[None, :], acc, mask=valid[:, None],
+                              sem="relaxed")
+        _store_dq(dq, DQ, t, H, hb, HALF, ring.index(0).slice(HALF, HALF, dim=1), D)
+
+    @gluon.jit
+    def _sparse_attn_bwd_gluon(Q, DO, KV, IDX, DENOM2, DELTA, DQ, DKV, H, K, qk_scale_log2, scale,
+                               D: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr, REGS: gl.constexpr):
         t, hb = gluon_hopper.program_row(H)
         dtype: gl.constexpr = Q.dtype.element_ty
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype)
         q_all = gl.allocate_shared_memory(dtype, [1, BLOCK_H_C, D], x_layout)
         do_all = gl.allocate_shared_memory(dtype, [1, BLOCK_H_C, D], x_layout)
-        ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
+        ring = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
         t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, BLOCK_N], dtype)
-        p_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)    # one per consumer
-        dz_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)
-        full = gluon_hopper.mbarriers(STAGES, 128)
-        empty = gluon_hopper.mbarriers(STAGES, 1)
+        p_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)
+        ds_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)
+        full = gluon_hopper.mbarriers(1, 128)        # the producer's 128 threads' cp.async completions
+        empty = gluon_hopper.mbarriers(1, 2)         # both consumers' dq products have read the tile
+        pready = gluon_hopper.mbarriers(2, 1)
+        pfree = gluon_hopper.mbarriers(2, 1)
         gl.warp_specialize([
-            (_dkv_consumer, (IDX, DKV, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf,
-                             dz_buf, full, empty, gl.constexpr(0), D, BLOCK_N, STAGES)),
-            (_dkv_consumer, (IDX, DKV, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf,
-                             dz_buf, full, empty, gl.constexpr(1), D, BLOCK_N, STAGES)),
-            (_dkv_producer, (Q, DO, KV, IDX, H, K, t, hb, q_all.index(0), do_all.index(0), ring, full, empty, D,
-                             BLOCK_N, STAGES))],
+            (_bwd_softmax, (IDX, DQ, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf,
+                            ds_buf, full, empty, pready, pfree, D, BLOCK_N)),
+            (_bwd_dkv, (IDX, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready, pfree,
+                        D, BLOCK_N)),
+            (_bwd_producer, (Q, DO, KV, IDX, H, K, t, hb, q_all.index(0), do_all.index(0), ring, full, empty, D,
+                             BLOCK_N))],
             [4, 4], [REGS[0], REGS[1]])
 
 
-def launch_dkv(q, do, kv, idx, denom2, delta, dkv, scale, config=None):
-    """Adds the dKV contributions of all T rows to ``dkv`` (N, D) fp32 (module docstring; T >= 1, N >= 1).
-    ``config``: :data:`DKV_CONFIG` keys."""
-    # 64-row tiles: two ring stages no longer fit beside q and dO.
-    cfg = gluon_hopper.checked_config(config, "Gluon dKV config", DKV_CONFIG, (16, 32))
-    if cfg["STAGES"] < 2 or cfg["STAGES"] % 2:  # each consumer waits only on the stages of its tiles' parity
-        raise ValueError(f"Gluon dKV config: STAGES must be even and >= 2, got {cfg['STAGES']}")
-    D = q.shape[2]
-    # 2-byte elements of q and dO, the ring, and both consumers' p and dz tiles.
-    smem = 2 * (2 * BLOCK_H * D + cfg["STAGES"] * cfg["BLOCK_N"] * D + 4 * BLOCK_H * cfg["BLOCK_N"])
-    if smem > SHARED_MEMORY_BYTES:              # refused here: under "auto" a launch failure would switch Gluon off
-        raise ValueError(f"Gluon dKV config: STAGES={cfg['STAGES']} x BLOCK_N={cfg['BLOCK_N']} needs {smem} bytes of "
-                         f"shared memory at D={D}, more than the {SHARED_MEMORY_BYTES} of an SM90 block")
-    T, H = q.shape[:2]
-    if idx.shape[1] == 0:
+def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None):
+    """Fills ``dq`` (T, H, D) and adds to ``dkv`` (N, D) fp32 (module docstring; T >= 1, N >= 1).
+    ``config``: :data:`BWD_CONFIG` keys."""
+    unknown = sorted(set(config or {}) - set(BWD_CONFIG))
+    if unknown:
+        raise ValueError(f"Gluon backward config: unknown keys {unknown}; expected some of {sorted(BWD_CONFIG)}")
+    cfg = dict(BWD_CONFIG, **(config or {}))
+    T, H, D = q.shape
+    K = idx.shape[1]
+    if K == 0:                  # no slot anywhere: zero gradients (the consumers need at least one tile)
+        dq.zero_()
         return
-    _sparse_attn_dkv_gluon[(T * (H // BLOCK_H),)](
-        q, do, kv, idx, denom2, delta, dkv, H, idx.shape[1], scale * LOG2E, scale,
-        D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
+    _sparse_attn_bwd_gluon[(T * (H // BLOCK_H),)](
+        q, do, kv, idx, denom2, delta, dq, dkv, H, K, scale * gluon_hopper.LOG2E, scale,
+        D=D, BLOCK_N=BLOCK_N, num_warps=4, REGS=tuple(cfg["REGS"]))
+
+
+def aot_kernels():
+    """(name, kernel, signature, constexprs) of this module's kernels at their default config, for offline builds."""
+    bf = "*bf16"
+    sig = dict(Q=bf, DO=bf, KV=bf, IDX="*i32", DENOM2="*fp32", DELTA="*fp32", DQ=bf, DKV="*fp32", H="i32", K="i32",
+               qk_scale_log2="fp32", scale="fp32")
+    return [("attn_bwd", _sparse_attn_bwd_gluon, sig,
+             dict(D=512, BLOCK_N=BLOCK_N, num_warps=4, REGS=tuple(BWD_CONFIG["REGS"])))]

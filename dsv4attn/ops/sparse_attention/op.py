@@ -62,10 +62,11 @@ def _sparse_attention_fake(q, kv, indices, attn_sink, softmax_scale, topk_length
 
 @torch.library.custom_op("dsv4attn::sparse_attention_backward", mutates_args=())
 def sparse_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
-                                 attn_sink: torch.Tensor, lse: torch.Tensor, softmax_scale: float,
+                                 attn_sink: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, softmax_scale: float,
                                  topk_length: Optional[torch.Tensor], deterministic: bool,
                                  impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq ``q.dtype``, dkv ``kv.dtype``, d_attn_sink ``attn_sink.dtype`` from the forward's saved ``lse``.
+    """dq ``q.dtype``, dkv ``kv.dtype``, d_attn_sink ``attn_sink.dtype`` from the forward's saved ``out`` and ``lse``
+    (the one-pass GPU backward forms Delta = rowsum(dO * out) from ``out``; the other backends recompute it).
 
     ``deterministic=True`` makes the Triton backward atomic-free (bitwise repeatable); the reference always is.
     """
@@ -73,29 +74,30 @@ def sparse_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, kv: to
     with backend.exact_math(q.device):
         kernels = _triton_module(q) if impl == "triton" else None
         if kernels is not None:
-            return kernels.triton_backward(grad_out, q, kv, idx, attn_sink, lse, softmax_scale, deterministic)
+            return kernels.triton_backward(grad_out, q, kv, idx, attn_sink, out, lse, softmax_scale,
+                                           deterministic)
         dq, dkv, dsink = reference_backward(grad_out, q, kv, Explicit(idx), attn_sink, lse, softmax_scale)
         return dq.contiguous(), dkv.contiguous(), dsink.contiguous()
 
 
 @sparse_attention_backward_op.register_fake
-def _sparse_attention_backward_fake(grad_out, q, kv, indices, attn_sink, lse, softmax_scale, topk_length,
+def _sparse_attention_backward_fake(grad_out, q, kv, indices, attn_sink, out, lse, softmax_scale, topk_length,
                                     deterministic, impl):
     return q.new_empty(q.shape), kv.new_empty(kv.shape), attn_sink.new_empty(attn_sink.shape)
 
 
 def _setup_context(ctx, inputs, output):
     q, kv, indices, attn_sink, softmax_scale, topk_length, deterministic, impl = inputs
-    ctx.save_for_backward(q, kv, indices, attn_sink, output[1], topk_length)
+    ctx.save_for_backward(q, kv, indices, attn_sink, output[0], output[1], topk_length)
     ctx.softmax_scale, ctx.deterministic, ctx.impl = softmax_scale, deterministic, impl
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, kv, indices, attn_sink, lse, topk_length = ctx.saved_tensors
+    q, kv, indices, attn_sink, out, lse, topk_length = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(q)
-    dq, dkv, dsink = sparse_attention_backward_op(grad_out, q, kv, indices, attn_sink, lse, ctx.softmax_scale,
+    dq, dkv, dsink = sparse_attention_backward_op(grad_out, q, kv, indices, attn_sink, out, lse, ctx.softmax_scale,
                                                   topk_length, ctx.deterministic, ctx.impl)
     return dq, dkv, None, dsink, None, None, None, None
 

@@ -72,8 +72,13 @@ def reference_forward(q, kv, index_set: IndexSet, attn_sink, scale: float):
     return out, lse
 
 
-def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, scale: float):
-    """dq (T, H, D) ``q.dtype``, dkv (N, D) ``kv.dtype``, d_sink (H,) ``attn_sink.dtype`` from the saved ``lse``."""
+def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, scale: float, out=None):
+    """dq (T, H, D) ``q.dtype``, dkv (N, D) ``kv.dtype``, d_sink (H,) ``attn_sink.dtype`` from the saved ``lse``.
+
+    ``out`` given (the forward's output in its dtype): Delta = rowsum(dO * out) in the compute dtype, the way the
+    one-pass GPU backward forms it (and FlashAttention, cuDNN). The low-precision error bounds of that kernel compare
+    it with this mode, so both run the same algorithm. Otherwise Delta comes from the compute-dtype probabilities.
+    """
     T, H, D = q.shape
     cd = _compute_dtype(q)
     sink = attn_sink.to(cd)
@@ -90,8 +95,10 @@ def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, sca
         p = torch.exp(scores - denom[..., None])
         do = grad_out[s:e].to(cd)
         dp = torch.einsum("chd,ckd->chk", do, keys)
-        # Delta = dO . out, from the fp32 probabilities rather than the saved (possibly bf16-rounded) out.
-        delta = (p * dp).sum(-1)                                        # (c, H)
+        if out is None:
+            delta = (p * dp).sum(-1)                                    # (c, H): dO . out from the probabilities
+        else:
+            delta = (do * out[s:e].to(cd)).sum(-1)
         dz = p * (dp - delta[..., None])
         dq[s:e] = scale * torch.einsum("chk,ckd->chd", dz, keys)
         dkeys = scale * torch.einsum("chk,chd->ckd", dz, q[s:e].to(cd)) + torch.einsum("chk,chd->ckd", p, do)

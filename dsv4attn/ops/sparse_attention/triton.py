@@ -15,11 +15,15 @@ On SM90 GPUs the forward runs the warp-specialised Gluon kernel of :mod:`.gluon_
 row gathers by a producer warpgroup; the Triton pipeliner leaves these gathers synchronous); :data:`FORWARD_KERNEL`
 or a config's ``KERNEL`` key chooses.
 
-Backward: d_sink is a (T, H) reduction in PyTorch from Delta = dO.out = sum_k p_k dO.v_k, which the kernels
-compute from fp32 probabilities (as the reference does; dO . bf16-out would carry the output rounding and the bf16
-P operand's into d_sink, dq and dkv). Every kernel recomputes p from the saved lse, forms ``dz = p * (dO.v - Delta)``
-and produces ``dq = scale * dz kv`` and the dKV rows ``scale * dz^T q + p^T dO`` (fp32, atomically added: the
-atomic traffic is the same in every layout, T * K * D fp32 adds per head block). ``LAYOUT`` in the config picks:
+Backward on SM90 GPUs (bf16/fp16, H % 64 == 0, D = 512, not deterministic): the one-pass Gluon kernel of
+:mod:`.gluon_hopper_bwd`, after an elementwise pre-pass (:func:`_delta_from_out`) that forms Delta = rowsum(dO * out)
+in fp32 from the saved low-precision output, as FlashAttention and cuDNN do; d_sink follows from Delta in PyTorch.
+
+Backward elsewhere (the Triton kernels): d_sink is a (T, H) reduction in PyTorch from Delta = dO.out =
+sum_k p_k dO.v_k, which these kernels compute from fp32 probabilities. Every kernel recomputes p from the saved lse,
+forms ``dz = p * (dO.v - Delta)`` and produces ``dq = scale * dz kv`` and the dKV rows ``scale * dz^T q + p^T dO``
+(fp32, atomically added: the atomic traffic is the same in every layout, T * K * D fp32 adds per head block).
+``LAYOUT`` in the config picks:
 
 - ``sliced`` (first version): a Delta pre-pass, then one program per (row, head block, BLOCK_DV value columns) that
   recomputes the scores in every slice: 13 GEMM-tiles per kv tile at D = 512.
@@ -29,9 +33,6 @@ atomic traffic is the same in every layout, T * K * D fp32 adds per head block).
   dq + dKV; ``fused2``: both loops in one program) or 9 (``split``: Delta + dq, then a dKV-only launch, so no
   program holds the 64 x 512 fp32 dq accumulator and a dKV tile at once; ``split3``: three launches, the D = 512
   default).
-- on SM90 GPUs, for bf16/fp16, H % 64 == 0 and D = 512 outside deterministic mode, the dKV launch is the
-  warp-specialised Gluon kernel of :mod:`.gluon_hopper_bwd` by default (a dKV pass override's ``KERNEL``, see
-  BWD_CONFIGS): 22.7 ms where the best Triton pass takes 39.3 ms at T = 32768, H = 64, K = 640 (H200).
 
 Deterministic backward (``deterministic=True``): the launches that produce dKV store each (row, slot)
 contribution to a fp32 buffer instead (no atomics), over chunks of query rows that bound the buffer to
@@ -80,19 +81,11 @@ BWD_CONFIGS = {
     64: dict(LAYOUT="fused2", BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
     128: dict(LAYOUT="fused2", BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
     256: dict(LAYOUT="split", BLOCK_N=32, num_warps=8, num_stages=2, RELAXED=True),
-    # H200, T = 32768, H = 64, K = 640 (2026-11-30, sixth session), per pass: Delta 8.4 ms (BLOCK_N 64, 4 warps),
-    # dq 15.5 ms (BLOCK_N 64, 8 warps), dKV 22.7 ms by the Gluon kernel on SM90 (KERNEL "auto", below), 39.3 ms by
-    # the Triton pass (BLOCK_N 32, 4 warps; 42.1-57.0 ms for 23 other tiles; the same with plain stores in place of
-    # its atomics, so the GEMMs, not the atomics, set its time). Other layouts at their best: "split" (Delta + dq
-    # 31.5, dKV) and "fused" (Delta, dq + dKV 60.5 ms). Earlier: acq_rel atomics 146 ms, "fused2" 92 ms, the first
-    # (sliced) kernel 157 ms. Both modes share the Delta and dq launches, so dq and d_sink are the same bits in both.
+    # H200, T = 32768, H = 64, K = 640 (2026-11-30), per pass: Delta 8.4 ms, dq 15.5 ms, dKV 39.3 ms (BENCHMARKS.md).
+    # Both modes share the Delta and dq launches, so dq and d_sink are the same bits in both.
     512: dict(LAYOUT="split3", BLOCK_N=64, num_warps=8, num_stages=1, RELAXED=True, DELTA=dict(num_warps=4),
-              DKV=dict(KERNEL="auto", BLOCK_N=32, num_warps=4, num_stages=1)),
+              DKV=dict(BLOCK_N=32, num_warps=4, num_stages=1)),
 }
-# A dKV pass override may name its KERNEL: "triton" (the default), "gluon" (the SM90 kernel of
-# :mod:`.gluon_hopper_bwd`, tiles in the override's GLUON dict, ``gluon_hopper_bwd.DKV_CONFIG`` keys) or "auto" (Gluon
-# where it applies, the mode is not deterministic and DSV4ATTN_FORWARD_KERNEL is not "triton"; the Triton pass with
-# the override's tiles elsewhere, or if this Triton cannot build the Gluon kernel).
 # The first version, kept selectable (``config=SLICED_BWD_CONFIGS[D]``) so that both can be timed in one run.
 SLICED_BWD_CONFIGS = {
     64: dict(LAYOUT="sliced", BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=64, num_warps=4, num_stages=1),
@@ -112,12 +105,12 @@ BWD_PASSES = {
 }
 # Forward kernel when no config is passed: "auto" (Gluon on SM90 where it applies, else Triton), "gluon" or "triton"
 # (environment variable DSV4ATTN_FORWARD_KERNEL); a config's "KERNEL" key chooses per call (a config without it is a
-# Triton tile config). "triton" also keeps the other Gluon kernels out (the backward's dKV pass under "auto", the
-# indexer KL's teacher mass).
+# Triton tile config). "triton" also keeps the other Gluon kernels out (the one-pass backward, the indexer score
+# kernel, the indexer KL's teacher mass and backward).
 FORWARD_KERNEL = os.environ.get("DSV4ATTN_FORWARD_KERNEL", "auto")
 # (D, dtype) -> why the Gluon forward could not be built for it in this process ("auto" then uses Triton for it).
 GLUON_FAILED: dict = {}
-# The same for the Gluon dKV pass of the backward (the Triton dKV pass then runs).
+# The same for the one-pass Gluon backward (the Triton backward then runs).
 GLUON_BWD_FAILED: dict = {}
 SUPPORTED_D = tuple(FWD_CONFIGS)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -521,63 +514,86 @@ def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
     return out, lse
 
 
-def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, deterministic=False):
-    """Returns dq (T, H, D) q.dtype, dkv (N, D) fp32, d_sink (H,) fp32 (``out`` is unused: Delta is recomputed).
+@triton.jit
+def _delta_from_out_kernel(OUT, DO, DELTA, ROWS, D: tl.constexpr, BLOCK_R: tl.constexpr):
+    # Delta = rowsum(dO * out) in fp32 over BLOCK_R of the T * H (row, head) vectors.
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, D)
+    mask = (r < ROWS)[:, None]
+    o = tl.load(OUT + r[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(DO + r[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + r, tl.sum(o * g, 1), mask=r < ROWS)
 
-    ``config``: a BWD_CONFIGS-style dict (its ``LAYOUT`` picks the kernels); ``deterministic``: no float atomics,
-    bitwise-identical results for identical inputs (module docstring).
+
+def _delta_from_out(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """(T, H) fp32 rowsum(dO * out) over D, from the low-precision output the forward saved (one read of each)."""
+    T, H, D = out.shape
+    delta = torch.empty(T, H, dtype=torch.float32, device=out.device)
+    rows = T * H
+    if rows:
+        block_r = max(1, min(64, 8192 // D))
+        _delta_from_out_kernel[(triton.cdiv(rows, block_r),)](out, grad_out, delta, rows, D=D, BLOCK_R=block_r,
+                                                              num_warps=4)
+    return delta
+
+
+def backward_kernel(q: torch.Tensor, deterministic: bool = False) -> str:
+    """Which backward runs for ``q``: "gluon" (the one-pass SM90 kernel, Delta from the saved output) where
+    :func:`.gluon_hopper_bwd.available`, the mode is not deterministic, :data:`FORWARD_KERNEL` is not "triton" and
+    the kernel has not failed to build for this D and dtype; "triton" (the Triton passes) elsewhere."""
+    usable = (not deterministic and FORWARD_KERNEL != "triton" and gluon_hopper_bwd.available(q)
+              and (q.shape[2], q.dtype) not in GLUON_BWD_FAILED)
+    return "gluon" if usable else "triton"
+
+
+def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, deterministic=False):
+    """Returns dq (T, H, D) q.dtype, dkv (N, D) fp32, d_sink (H,) fp32.
+
+    ``out``: the forward's output; the one-pass Gluon backward (:func:`backward_kernel`) forms Delta from it, the
+    Triton passes recompute Delta from fp32 probabilities and ignore it (None is accepted there). ``config``: a
+    BWD_CONFIGS-style dict (its ``LAYOUT`` picks the Triton kernels; a config forces the Triton passes);
+    ``deterministic``: no float atomics, bitwise-identical results for identical inputs (module docstring).
     """
     T, H, D = q.shape
     denom = torch.logaddexp(lse, sink[None, :])                 # full denominator, includes the sink
     denom2 = (denom * LOG2E).contiguous()
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    delta = torch.zeros(T, H, dtype=torch.float32, device=q.device)
-    if T > 0:
-        config = dict(config or BWD_CONFIGS[D])
-        layout = config.pop("LAYOUT", "sliced")
-        if layout == "sliced":
-            _sliced_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic)
-        elif layout in BWD_PASSES:
-            _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, BWD_PASSES[layout])
-        else:
-            raise ValueError(f"backward config LAYOUT must be 'sliced' or one of {sorted(BWD_PASSES)}, got {layout!r}")
+    delta = None
+    if T > 0 and config is None and out is not None and backward_kernel(q, deterministic) == "gluon":
+        delta = _gluon_bwd(q, kv, idx, out, grad_out, denom2, dq, dkv, scale)
+    if delta is None:
+        delta = torch.zeros(T, H, dtype=torch.float32, device=q.device)
+        if T > 0:
+            config = dict(config or BWD_CONFIGS[D])
+            layout = config.pop("LAYOUT", "sliced")
+            if layout == "sliced":
+                _sliced_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic)
+            elif layout in BWD_PASSES:
+                _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic,
+                          BWD_PASSES[layout])
+            else:
+                raise ValueError(f"backward config LAYOUT must be 'sliced' or one of {sorted(BWD_PASSES)}, got "
+                                 f"{layout!r}")
     # d_sink = -sum_t p_sink * Delta; p_sink = 0 where the sink is -inf (also on empty rows, where denom = -inf).
     p_sink = torch.where(denom == float("-inf"), 0.0, torch.exp(sink[None, :] - denom))
     d_sink = -(p_sink * delta).sum(0)
     return dq, dkv, d_sink
 
 
-def _use_gluon_dkv(kernel: str, q: torch.Tensor, deterministic: bool) -> bool:
-    """Whether a dKV pass with this KERNEL runs the Gluon kernel (see BWD_CONFIGS); an impossible "gluon" raises."""
-    if kernel == "gluon" and (deterministic or not gluon_hopper_bwd.available(q)):
-        raise ValueError("backward config: the Gluon dKV pass (KERNEL='gluon') has no deterministic mode and "
-                         "needs Gluon, an SM90 GPU, bf16/fp16 q, H % 64 == 0 and D = 512; got q "
-                         f"{tuple(q.shape)} {q.dtype} on {q.device}, deterministic={deterministic}")
-    return kernel == "gluon" or (kernel == "auto" and not deterministic and FORWARD_KERNEL != "triton"
-                                 and gluon_hopper_bwd.available(q) and (q.shape[2], q.dtype) not in GLUON_BWD_FAILED)
-
-
-def backward_kernels(q: torch.Tensor, config: dict | None = None, deterministic: bool = False) -> str:
-    """What runs (or, after a run, ran) the backward for ``q`` (for tables): "triton", or "triton + gluon dKV"."""
-    config = config or BWD_CONFIGS[q.shape[2]]
-    has_dkv_pass = any("DKV" in name.split("+") for name in BWD_PASSES.get(config.get("LAYOUT", "sliced"), ()))
-    dkv = config.get("DKV") if isinstance(config.get("DKV"), dict) else {}
-    gluon = has_dkv_pass and _use_gluon_dkv(dkv.get("KERNEL", "triton"), q, deterministic)
-    return "triton + gluon dKV" if gluon else "triton"
-
-
-def _gluon_dkv(q, kv, idx, grad_out, denom2, delta, dkv, scale, cfg: dict, explicit: bool) -> bool:
-    """The dKV pass by the Gluon kernel; False if this Triton cannot build it (warned once per D and dtype; an
-    ``explicit`` request raises instead)."""
+def _gluon_bwd(q, kv, idx, out, grad_out, denom2, dq, dkv, scale):
+    """The one-pass Gluon backward into ``dq`` and ``dkv``; returns Delta, or None if this Triton cannot build the
+    kernel (warned once per D and dtype; the caller then runs the Triton passes)."""
+    delta = _delta_from_out(out, grad_out)
+    kv_read = kv if kv.shape[0] > 0 else kv.new_zeros(1, q.shape[2])   # empty slots are never read
     try:
-        gluon_hopper_bwd.launch_dkv(q, grad_out, kv, idx, denom2, delta, dkv, scale, cfg)
-        return True
+        gluon_hopper_bwd.launch(q, grad_out, kv_read, idx, denom2, delta, dq, dkv, scale)
     except Exception as exc:
-        if explicit:
-            raise
-        note_gluon_build_failure(exc, GLUON_BWD_FAILED, q.shape[2], q.dtype, "dKV kernel", "using the Triton dKV pass")
-        return False
+        note_gluon_build_failure(exc, GLUON_BWD_FAILED, q.shape[2], q.dtype, "sparse-attention backward",
+                                 "using the Triton backward")
+        dkv.zero_()
+        return None
+    return delta
 
 
 def _deterministic_rows(T: int, num_hb: int, K: int, D: int) -> int:
@@ -620,13 +636,6 @@ def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deter
     for name in passes:
         parts = set(name.split("+"))
         cfg = dict(config, **overrides.get(name, {}))
-        kernel, gluon_cfg = cfg.pop("KERNEL", "triton"), cfg.pop("GLUON", None)
-        if kernel not in ("auto", "gluon", "triton") or (kernel != "triton" and parts != {"DKV"}):
-            raise ValueError(f"backward config: KERNEL of pass {name!r} must be 'auto', 'gluon' or 'triton' for the "
-                             f"dKV pass, 'triton' for the others, got {kernel!r}")
-        if _use_gluon_dkv(kernel, q, deterministic):
-            if _gluon_dkv(q, kv_read, idx, grad_out, denom2, delta, dkv, scale, gluon_cfg, kernel == "gluon"):
-                continue
         cfg.update(DELTA_PASS="DELTA" in parts, DO_DQ="DQ" in parts, DO_DKV="DKV" in parts,
                    RELAXED=bool(cfg.get("RELAXED", False)), DKV_BLOCK_D=min(D, cfg.get("DKV_BLOCK_D", D)))
         for key in ("BLOCK_DK", "BLOCK_DV"):                         # sliced-layout keys: no meaning here
@@ -672,13 +681,13 @@ def triton_forward(q, kv, idx, attn_sink, scale: float):
     return _sparse_attn_fwd(q, kv, idx, attn_sink.float().contiguous(), scale)
 
 
-def triton_backward(grad_out, q, kv, idx, attn_sink, lse, scale: float, deterministic: bool):
+def triton_backward(grad_out, q, kv, idx, attn_sink, out, lse, scale: float, deterministic: bool):
     """The registered op's backward on this backend: dq ``q.dtype``, dkv ``kv.dtype``, d_sink ``attn_sink.dtype``."""
     q, kv = q.contiguous(), kv.contiguous()
     idx = idx.to(torch.int32).contiguous()
     grad_out = torch.zeros_like(q) if grad_out is None else grad_out.to(q.dtype).contiguous()
-    dq, dkv, d_sink = _sparse_attn_bwd(q, kv, idx, attn_sink.float().contiguous(), None, lse.contiguous(),
-                                       grad_out, scale, deterministic=deterministic)
+    dq, dkv, d_sink = _sparse_attn_bwd(q, kv, idx, attn_sink.float().contiguous(), out.contiguous(),
+                                       lse.contiguous(), grad_out, scale, deterministic=deterministic)
     return dq, dkv.to(kv.dtype), d_sink.to(attn_sink.dtype)
 
 
