@@ -138,11 +138,9 @@ def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: st
     cudnn_ms = ours_bwd_ms = None
     if cudnn is not None:
         # cuDNN's backward is fed FlashMLA's out and lse where FlashMLA is loaded (what Megatron pairs), else ours.
-        c_out, c_lse = (fm_fwd()[:2] if flashmla is not None else (out, lse))
-        c_idx = idx[:, None].contiguous()
-
+        c_out, c_lse = ((fm_fwd()[0], fm_fwd()[2]) if flashmla is not None else (out, lse))
         def cudnn_bwd():
-            return cudnn(q, kv[:, None], c_out, grad_out, c_lse, sink, c_idx, softmax_scale=scale)
+            return cudnn(q, kv, c_out, grad_out, c_lse, sink, idx, softmax_scale=scale)
 
         res = cudnn_bwd()
         ours = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, bwd_cfg)

@@ -21,7 +21,8 @@ Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_
   dQ[:, :D/2] += dS KV[:, :D/2]; releases the kv stage;
 - dKV warpgroup: dQ[:, D/2:] += dS KV[:, D/2:], releases the kv stage (the producer's next gather then runs under
   this warpgroup's dKV products), then dKV in eight 64-column chunks, each P^T dO + dS^T Q in one accumulator
-  (M = 64 slots), added to dKV with fp32 reductions while the next chunk's products run; releases P / dS.
+  (M = 64 slots), added to an fp32 accumulator with 16-byte reductions (each thread's four values of a 16-column
+  group stored adjacently, a column permutation the caller's post-pass undoes); releases P / dS.
 
 The tensor-core work splits evenly: 2.5 of the tile's five products per consumer. dq stays in fp32 registers for the
 whole loop (each consumer holds its 64 x 256 half) and leaves through the kv stage's shared memory (free after the
@@ -36,16 +37,16 @@ from . import gluon_hopper
 from .gluon_hopper import BLOCK_H
 
 if gluon_hopper._IMPORTED:
+    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
 BLOCK_N = 64          # slots per tile: the dKV products need M = 64 slots per wgmma
-DKV_CHUNK = 64        # dKV columns per accumulator
 # REGS: registers per thread of the dKV warpgroup and of the producer (setmaxnreg); the softmax warpgroup gets
-# the rest of the 64K (256 at (216, 40)).
-BWD_CONFIG = dict(REGS=(216, 40))
+# the rest of the 64K (248 at (224, 40)). CHUNK: dKV columns per accumulator (its products are pipelined two deep).
+BWD_CONFIG = dict(REGS=(224, 40), CHUNK=64)
 SHARED_MEMORY_BYTES = 232448                   # the most one SM90 thread block may allocate
 
 
@@ -56,7 +57,16 @@ def available(q: torch.Tensor) -> bool:
 
 if gluon_hopper._IMPORTED:
     BLOCK_H_C = gl.constexpr(BLOCK_H)
-    DKV_CHUNK_C = gl.constexpr(DKV_CHUNK)
+
+    @triton.constexpr_function
+    def _v4_layout(block_n, chunk):
+        # The permuted (block_n = 64, chunk) dKV tile of _bwd_dkv with each thread's four adjacent values in
+        # consecutive registers: the wgmma accumulator layout (4 warps, M = 64) with its register bits renumbered
+        # (the permutation's bit for column 2 before the bit for row 8), so no data moves between threads.
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0]] + [[0, 16 << i] for i in range(chunk.bit_length() - 5)],
+            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+            shape=[block_n, chunk])
 
     @gluon.jit
     def _bwd_producer(Q, DO, KV, IDX, H, K, t, hb, q_smem, do_smem, ring, full, empty, D: gl.constexpr,
@@ -121,22 +131,25 @@ if gluon_hopper._IMPORTED:
 
     @gluon.jit
     def _bwd_dkv(IDX, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready, pfree,
-                 D: gl.constexpr, BLOCK_N: gl.constexpr):
+                 D: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
         HALF: gl.constexpr = D // 2
-        CHUNKS: gl.constexpr = D // DKV_CHUNK_C
+        CHUNKS: gl.constexpr = D // CHUNK
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HALF, 16])
         c_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, DKV_CHUNK_C, 16])
+                                                           instr_shape=[16, CHUNK, 16])
         dq = gl.zeros([BLOCK_H_C, HALF], gl.float32, layout=q_layout)
-        c_zero = gl.zeros([BLOCK_N, DKV_CHUNK_C], gl.float32, layout=c_layout)
-        cols = gl.arange(0, DKV_CHUNK_C, layout=gl.SliceLayout(0, c_layout))
+        c_zero = gl.zeros([BLOCK_N, CHUNK], gl.float32, layout=c_layout)
+        # The permuted chunk's layout with each thread's four adjacent values in consecutive registers (a register
+        # renumbering of the wgmma layout: no data moves between threads).
+        v4_layout: gl.constexpr = _v4_layout(BLOCK_N, CHUNK)
+        cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, v4_layout))
         row_base = t * K
         nb = gl.cdiv(K, BLOCK_N)
         for b in range(nb):
             z = (b + 1) // (nb + 1)
             buf = b % 2
-            n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, c_layout))
+            n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v4_layout))
             idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
             valid = idx >= 0
             rows = gl.where(valid, idx, 0).to(gl.int64) * D
@@ -149,18 +162,34 @@ if gluon_hopper._IMPORTED:
             ds_t = ds_buf.index(buf + z).permute((1, 0))
             do_z = do_all.index(z)
             q_z = q_all.index(z)
+            # Chunk c + 1's two products are issued before chunk c's reductions, so the tensor cores work while
+            # this warpgroup issues them.
+            acc = warpgroup_mma(p_t, do_z.slice(0, CHUNK, dim=1), c_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(ds_t, q_z.slice(0, CHUNK, dim=1), acc, is_async=True)
             for c in gl.static_range(CHUNKS):
-                acc = warpgroup_mma(p_t, do_z.slice(c * DKV_CHUNK_C, DKV_CHUNK_C, dim=1), c_zero, use_acc=False)
-                acc = warpgroup_mma(ds_t, q_z.slice(c * DKV_CHUNK_C, DKV_CHUNK_C, dim=1), acc)
-                if c + 1 == CHUNKS:
+                if c + 1 < CHUNKS:
+                    nxt = warpgroup_mma(p_t, do_z.slice((c + 1) * CHUNK, CHUNK, dim=1), c_zero, use_acc=False,
+                                        is_async=True)
+                    nxt = warpgroup_mma(ds_t, q_z.slice((c + 1) * CHUNK, CHUNK, dim=1), nxt, is_async=True)
+                    acc = warpgroup_mma_wait(2, deps=[acc])
+                else:
+                    acc = warpgroup_mma_wait(0, deps=[acc])
                     mbarrier.arrive(pfree.index(buf))           # the last products have read P and dS
-                gl.atomic_add(DKV + rows[:, None] + (c * DKV_CHUNK_C + cols)[None, :], acc, mask=valid[:, None],
+                # Column 16a + 8b + 2q + e of the chunk is stored at 16a + 4q + 2b + e (the post-pass undoes it):
+                # each thread's four values of a 16-column group become adjacent, one 16-byte reduction instead of
+                # two 8-byte ones.
+                acc = gl.permute(gl.reshape(acc, [BLOCK_N, CHUNK // 16, 2, 4, 2]), [0, 1, 3, 2, 4])
+                acc = gl.convert_layout(gl.reshape(acc, [BLOCK_N, CHUNK]), v4_layout)
+                gl.atomic_add(DKV + rows[:, None] + (c * CHUNK + cols)[None, :], acc, mask=valid[:, None],
                               sem="relaxed")
+                if c + 1 < CHUNKS:
+                    acc = nxt
         _store_dq(dq, DQ, t, H, hb, HALF, ring.index(0).slice(HALF, HALF, dim=1), D)
 
     @gluon.jit
     def _sparse_attn_bwd_gluon(Q, DO, KV, IDX, DENOM2, DELTA, DQ, DKV, H, K, qk_scale_log2, scale,
-                               D: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr, REGS: gl.constexpr):
+                               D: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr,
+                               REGS: gl.constexpr):
         t, hb = gluon_hopper.program_row(H)
         dtype: gl.constexpr = Q.dtype.element_ty
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype)
@@ -178,7 +207,7 @@ if gluon_hopper._IMPORTED:
             (_bwd_softmax, (IDX, DQ, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf,
                             ds_buf, full, empty, pready, pfree, D, BLOCK_N)),
             (_bwd_dkv, (IDX, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready, pfree,
-                        D, BLOCK_N)),
+                        D, BLOCK_N, CHUNK)),
             (_bwd_producer, (Q, DO, KV, IDX, H, K, t, hb, q_all.index(0), do_all.index(0), ring, full, empty, D,
                              BLOCK_N))],
             [4, 4], [REGS[0], REGS[1]])
@@ -196,9 +225,12 @@ def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None):
     if K == 0:                  # no slot anywhere: zero gradients (the consumers need at least one tile)
         dq.zero_()
         return
+    acc = torch.zeros_like(dkv)                 # dKV with each 16-column group permuted (see _bwd_dkv)
     _sparse_attn_bwd_gluon[(T * (H // BLOCK_H),)](
-        q, do, kv, idx, denom2, delta, dq, dkv, H, K, scale * gluon_hopper.LOG2E, scale,
-        D=D, BLOCK_N=BLOCK_N, num_warps=4, REGS=tuple(cfg["REGS"]))
+        q, do, kv, idx, denom2, delta, dq, acc, H, K, scale * gluon_hopper.LOG2E, scale,
+        D=D, BLOCK_N=BLOCK_N, CHUNK=cfg["CHUNK"], num_warps=4, REGS=tuple(cfg["REGS"]))
+    N = dkv.shape[0]
+    dkv += acc.view(N, D // 16, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(N, D)
 
 
 def aot_kernels():
@@ -206,5 +238,4 @@ def aot_kernels():
     bf = "*bf16"
     sig = dict(Q=bf, DO=bf, KV=bf, IDX="*i32", DENOM2="*fp32", DELTA="*fp32", DQ=bf, DKV="*fp32", H="i32", K="i32",
                qk_scale_log2="fp32", scale="fp32")
-    return [("attn_bwd", _sparse_attn_bwd_gluon, sig,
-             dict(D=512, BLOCK_N=BLOCK_N, num_warps=4, REGS=tuple(BWD_CONFIG["REGS"])))]
+    return [("attn_bwd", _sparse_attn_bwd_gluon, sig, dict(D=512, BLOCK_N=BLOCK_N, num_warps=4, **BWD_CONFIG))]
