@@ -21,8 +21,8 @@ Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_
   dQ[:, :D/2] += dS KV[:, :D/2]; releases the kv stage;
 - dKV warpgroup: dQ[:, D/2:] += dS KV[:, D/2:], releases the kv stage (the producer's next gather then runs under
   this warpgroup's dKV products), then dKV in eight 64-column chunks, each P^T dO + dS^T Q in one accumulator
-  (M = 64 slots), added to an fp32 accumulator with 16-byte reductions (each thread's four values of a 16-column
-  group stored adjacently, a column permutation the caller's post-pass undoes); releases P / dS.
+  (M = 64 slots), added to an fp32 accumulator with 16-byte reductions over whole 128-byte lines (each thread's four
+  values of a 16-column group stored adjacently, a column permutation the post-pass undoes); releases P / dS.
 
 The tensor-core work splits evenly: 2.5 of the tile's five products per consumer. dq stays in fp32 registers for the
 whole loop (each consumer holds its 64 x 256 half) and leaves through the kv stage's shared memory (free after the
@@ -59,13 +59,13 @@ if gluon_hopper._IMPORTED:
     BLOCK_H_C = gl.constexpr(BLOCK_H)
 
     @triton.constexpr_function
-    def _v4_layout(block_n, chunk):
-        # The permuted (block_n = 64, chunk) dKV tile of _bwd_dkv with each thread's four adjacent values in
-        # consecutive registers: the wgmma accumulator layout (4 warps, M = 64) with its register bits renumbered
-        # (the permutation's bit for column 2 before the bit for row 8), so no data moves between threads.
+    def _reduction_layout(block_n, chunk):
+        # The permuted (block_n = 64 slots, chunk columns) dKV tile of _bwd_dkv, laid out for the reductions: each
+        # thread's four adjacent values in consecutive registers (one 16-byte reduction) and eight lanes on one row
+        # (a warp's reduction covers whole 128-byte lines of four kv rows instead of half lines of eight).
         return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]] + [[0, 16 << i] for i in range(chunk.bit_length() - 5)],
-            lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+            reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]] + [[0, 32 << i] for i in range(chunk.bit_length() - 6)],
+            lane_bases=[[0, 4], [0, 8], [0, 16], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
             shape=[block_n, chunk])
 
     @gluon.jit
@@ -140,16 +140,14 @@ if gluon_hopper._IMPORTED:
                                                            instr_shape=[16, CHUNK, 16])
         dq = gl.zeros([BLOCK_H_C, HALF], gl.float32, layout=q_layout)
         c_zero = gl.zeros([BLOCK_N, CHUNK], gl.float32, layout=c_layout)
-        # The permuted chunk's layout with each thread's four adjacent values in consecutive registers (a register
-        # renumbering of the wgmma layout: no data moves between threads).
-        v4_layout: gl.constexpr = _v4_layout(BLOCK_N, CHUNK)
-        cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, v4_layout))
+        red_layout: gl.constexpr = _reduction_layout(BLOCK_N, CHUNK)
+        cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, red_layout))
         row_base = t * K
         nb = gl.cdiv(K, BLOCK_N)
         for b in range(nb):
             z = (b + 1) // (nb + 1)
             buf = b % 2
-            n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v4_layout))
+            n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, red_layout))
             idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
             valid = idx >= 0
             rows = gl.where(valid, idx, 0).to(gl.int64) * D
@@ -176,10 +174,10 @@ if gluon_hopper._IMPORTED:
                     acc = warpgroup_mma_wait(0, deps=[acc])
                     mbarrier.arrive(pfree.index(buf))           # the last products have read P and dS
                 # Column 16a + 8b + 2q + e of the chunk is stored at 16a + 4q + 2b + e (the post-pass undoes it):
-                # each thread's four values of a 16-column group become adjacent, one 16-byte reduction instead of
-                # two 8-byte ones.
+                # each thread's four values of a 16-column group become adjacent. H200, T = 32768: 8-byte reductions
+                # 23.6 ms, 16-byte 20.9, whole lines 20.2 (the reductions cost ~8 ms: 12.9 without them).
                 acc = gl.permute(gl.reshape(acc, [BLOCK_N, CHUNK // 16, 2, 4, 2]), [0, 1, 3, 2, 4])
-                acc = gl.convert_layout(gl.reshape(acc, [BLOCK_N, CHUNK]), v4_layout)
+                acc = gl.convert_layout(gl.reshape(acc, [BLOCK_N, CHUNK]), red_layout)
                 gl.atomic_add(DKV + rows[:, None] + (c * CHUNK + cols)[None, :], acc, mask=valid[:, None],
                               sem="relaxed")
                 if c + 1 < CHUNKS:
