@@ -267,6 +267,17 @@ def _worker() -> None:
         empty_kv_ok=bool((empty[0] == 0).all() and torch.isneginf(empty[1]).all() and (empty[2] == 0).all()
                          and empty[3].shape == (0, D)),
     )
+    # The one-pass GPU backward's Delta pre-pass: rowsum(dO * out) in fp32 from bf16 rows, ragged row counts.
+    gen = torch.Generator().manual_seed(9)
+    deltas = []
+    for T_, H_, D_ in ((7, 5, 64), (3, 64, 512), (0, 4, 128)):
+        o = torch.randn(T_, H_, D_, generator=gen).to(torch.bfloat16)
+        g_ = torch.randn(T_, H_, D_, generator=gen).to(torch.bfloat16)
+        got = sa_triton._delta_from_out(o, g_)
+        want = (o.double() * g_.double()).sum(-1)
+        deltas.append(got.dtype == torch.float32 and got.shape == (T_, H_)
+                      and bool(((got.double() - want).abs() <= 1e-5 * (1 + want.abs())).all()))
+    results["delta_from_out"] = all(deltas)
     results["plumbing"] = dict(
         registered="sparse_attention" in backend.registered_kernels()
         and backend.kernel("sparse_attention") is sa_triton.sparse_attention_triton,
@@ -274,6 +285,10 @@ def _worker() -> None:
         fp64_fallback_is_reference=all(torch.equal(a, b) for a, b in zip(fb, ref)),
     )
     print("RESULTS " + json.dumps(results))
+
+
+def test_delta_from_out_prepass(interpreted):
+    assert interpreted["delta_from_out"]
 
 
 @pytest.fixture(scope="module")
