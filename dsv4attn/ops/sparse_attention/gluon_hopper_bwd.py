@@ -15,7 +15,7 @@ and two consumers overlap one's GEMMs with the other's softmax-side work and ato
 Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_specialize``):
 
 - producer: q and dO of the head block, then the kv rows of every BLOCK_N slots into a ring (the forward's
-  producer, :func:`.gluon_hopper.ring_gather`);
+  producer, :func:`dsv4attn.ops.gluon_common.ring_gather`);
 - consumer W (W = 0, 1) takes the tiles b = W, W + 2, ... on its own: s = Q K^T and dp = dO K^T (wgmma, M = 64
   heads), releases the ring stage, forms p (fp32, zero at empty slots) and ``scale * dz`` in registers, stores them
   (bf16/fp16) to its shared-memory buffers and forms the tile's dKV^T = q^T dz + dO^T p (M = D columns,
@@ -27,14 +27,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import gluon_common
+from ..gluon_common import BLOCK_H, IMPORTED, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
 from . import gluon_hopper
-from .gluon_hopper import BLOCK_H, LOG2E
-
-if gluon_hopper._IMPORTED:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+from .gluon_hopper import LOG2E
 
 # BLOCK_N gathered rows per tile, STAGES ring depth (even; shared memory at D = 512: q + dO 128 KiB, ring 64 KiB,
 # p / dz buffers 16 KiB), REGS registers per thread of the worker consumer and of the producer. H200, T = 32768,
@@ -48,16 +44,16 @@ def available(q: torch.Tensor) -> bool:
     return gluon_hopper.available(q) and q.shape[2] == 512
 
 
-if gluon_hopper._IMPORTED:
+if IMPORTED:
     BLOCK_H_C = gl.constexpr(BLOCK_H)
 
     @gluon.jit
     def _dkv_producer(Q, DO, KV, IDX, H, K, t, hb, q_smem, do_smem, ring, full, empty, D: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        gluon_hopper.copy_heads(Q, H, t, hb, q_smem, D)
-        gluon_hopper.copy_heads(DO, H, t, hb, do_smem, D)
-        gluon_hopper.async_copy.commit_group()      # the first full[] arrival covers these copies too
-        gluon_hopper.ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, STAGES)
+        gluon_common.copy_heads(Q, H, t, hb, q_smem, D)
+        gluon_common.copy_heads(DO, H, t, hb, do_smem, D)
+        gluon_common.async_copy.commit_group()      # the first full[] arrival covers these copies too
+        gluon_common.ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, STAGES)
 
     @gluon.jit
     def _dkv_consumer(IDX, DKV, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf, dz_buf,
@@ -108,7 +104,7 @@ if gluon_hopper._IMPORTED:
     def _sparse_attn_dkv_gluon(Q, DO, KV, IDX, DENOM2, DELTA, DKV, H, K, qk_scale_log2, scale,
                                D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                num_warps: gl.constexpr, REGS: gl.constexpr):
-        t, hb = gluon_hopper.program_row(H)
+        t, hb = gluon_common.program_row(H)
         dtype: gl.constexpr = Q.dtype.element_ty
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype)
         q_all = gl.allocate_shared_memory(dtype, [1, BLOCK_H_C, D], x_layout)
@@ -118,8 +114,8 @@ if gluon_hopper._IMPORTED:
         t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, BLOCK_N], dtype)
         p_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)    # one per consumer
         dz_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)
-        full = gluon_hopper.mbarriers(STAGES, 128)
-        empty = gluon_hopper.mbarriers(STAGES, 1)
+        full = gluon_common.mbarriers(STAGES, 128)
+        empty = gluon_common.mbarriers(STAGES, 1)
         gl.warp_specialize([
             (_dkv_consumer, (IDX, DKV, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf,
                              dz_buf, full, empty, gl.constexpr(0), D, BLOCK_N, STAGES)),
