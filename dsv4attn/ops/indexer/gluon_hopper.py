@@ -33,34 +33,29 @@ from __future__ import annotations
 
 import torch
 
-from ..sparse_attention import gluon_hopper as attn_gluon
-
-if attn_gluon._IMPORTED:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from ..gluon_common import (IMPORTED, TensorDescriptor, async_copy, async_load, fence_async_shared, gl, gluon,
+                            mbarrier, mbarriers, thread_barrier, tma_load, warpgroup_mma)
 
 BLOCK_T, BLOCK_E, HEADS, HEAD_DIM = 64, 256, 64, 128
 # STAGES: query tiles in flight (16 KiB each); TMA: the producer is one warp issuing one TMA copy per query tile
-# (else four warps of cp.async); REGS: registers per thread of the worker consumer and the producer, None: (216, 24)
-# with the TMA producer, (216, 40) with cp.async.
+# (else four warps of cp.async); REGS: registers per thread of the worker consumer and the producer, None: the
+# producer's DEFAULT_REGS, (216, 24) with the TMA producer, (216, 40) with cp.async.
 # H200, T = 32768 (seventh session): TMA 4.70-4.88 ms (6 stages: the same), cp.async 5.53-5.62 ms.
 CONFIG = dict(STAGES=4, TMA=True, REGS=None)
+DEFAULT_REGS = {True: (216, 24), False: (216, 40)}          # key: CONFIG["TMA"]
 
 
 def available(q: torch.Tensor, k: torch.Tensor) -> bool:
     """True when :func:`launch_orders` can run: Gluon imported, SM90, bf16/fp16 q and k of one dtype, the Flash
     indexer geometry (64 heads of 128), 16-byte aligned bases (TMA descriptors and 16-byte cp.async copies)."""
-    if not attn_gluon._IMPORTED or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+    if not IMPORTED or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if k.dtype != q.dtype or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     return tuple(q.shape[1:]) == (HEADS, HEAD_DIM) and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
 
 
-if attn_gluon._IMPORTED:
+if IMPORTED:
     _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
     BLOCK_T_C = gl.constexpr(BLOCK_T)
     HALF_E = gl.constexpr(BLOCK_E // 2)
@@ -80,8 +75,7 @@ if attn_gluon._IMPORTED:
             if HAS_TABLE:
                 e = gl.load(TABLE + e, mask=ok, other=0).to(gl.int64)
             key_rows = gl.where(ok, e + shift, 0) * HEAD_DIM_C
-            async_copy.async_copy_global_to_shared(k_smem.slice(r, 16, dim=0), K + key_rows[:, None] + cols[None, :],
-                                                   mask=ok[:, None])
+            async_load(k_smem.slice(r, 16, dim=0), K + key_rows[:, None] + cols[None, :], mask=ok[:, None])
 
     @gluon.jit
     def _score_producer(Q, rows_c, tb, n_heads, ring, full, empty, STAGES: gl.constexpr):
@@ -97,7 +91,7 @@ if attn_gluon._IMPORTED:
                 rows = tb * BLOCK_T_C + r + gl.arange(0, 16, layout=gl.SliceLayout(1, io))
                 rows = gl.where(rows < rows_c, rows, 0).to(gl.int64)
                 src = Q + rows[:, None] * (HEADS_C * HEAD_DIM_C) + h * HEAD_DIM_C + cols[None, :]
-                async_copy.async_copy_global_to_shared(ring.index(stage).slice(r, 16, dim=0), src)
+                async_load(ring.index(stage).slice(r, 16, dim=0), src)
             async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
             async_copy.commit_group()
         async_copy.wait_group(0)
@@ -109,8 +103,7 @@ if attn_gluon._IMPORTED:
             stage = h % STAGES
             mbarrier.wait(empty.index(stage), ((h // STAGES) + 1) & 1, pred=h >= STAGES)
             mbarrier.expect(full.index(stage), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [tb * BLOCK_T_C, h * HEAD_DIM_C], full.index(stage),
-                                            ring.index(stage))
+            tma_load(q_desc, [tb * BLOCK_T_C, h * HEAD_DIM_C], full.index(stage), ring.index(stage))
 
     @gluon.jit
     def _score_consumer(W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full, empty,
@@ -167,13 +160,13 @@ if attn_gluon._IMPORTED:
                                           gl.NVMMASharedLayout.get_default_for([2 * HALF_E, HEAD_DIM_C], dtype))
         ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T_C, HEAD_DIM_C],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_T_C, HEAD_DIM_C], dtype))
-        full = attn_gluon.mbarriers(STAGES, 1 if TMA else 128)
-        empty = attn_gluon.mbarriers(STAGES, 2)
+        full = mbarriers(STAGES, 1 if TMA else 128)
+        empty = mbarriers(STAGES, 2)
         # The keys by this partition, before the split (the producer's 40 registers spilled on these addresses).
         _gather_keys(K, TABLE, shift, e0, needed, k_all.index(0), HAS_TABLE)
         async_copy.commit_group()
         async_copy.wait_group(0)
-        gl.thread_barrier()
+        thread_barrier()
         if TMA:
             gl.warp_specialize([
                 (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full,
@@ -199,7 +192,7 @@ def launch_orders(q, k, w, first, visible, table, shift: int, width: int, orders
     rows_c = q.shape[0]
     grid = ((2 * width + BLOCK_T + BLOCK_E - 1) // BLOCK_E, (rows_c + BLOCK_T - 1) // BLOCK_T)
     tma = bool(cfg["TMA"])
-    regs = tuple(cfg["REGS"] or ((216, 24) if tma else (216, 40)))
+    regs = tuple(cfg["REGS"] or DEFAULT_REGS[tma])
     q_desc = q
     if tma:
         layout = gl.NVMMASharedLayout.get_default_for([BLOCK_T, HEAD_DIM], _GL_DTYPES[q.dtype])

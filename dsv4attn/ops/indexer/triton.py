@@ -299,7 +299,8 @@ def _score_orders(q, k, w, first, visible, table, shift: int, width: int, config
         except Exception as exc:
             if config.get("SCORE_KERNEL") == "gluon":      # an explicit request raises
                 raise
-            sparse_triton.note_gluon_build_failure(exc, GLUON_FAILED, q.shape[2], q.dtype, "indexer score kernel",
+            sparse_triton.note_gluon_build_failure(exc, GLUON_FAILED, q.shape[2], q.dtype,
+                                                   "indexer score kernel (_indexer_orders_gluon)",
                                                    "using the Triton kernel")
     launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
     block_t, block_e = config["BLOCK_T"], config["BLOCK_E"]

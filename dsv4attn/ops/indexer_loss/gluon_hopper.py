@@ -20,13 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sparse_attention import gluon_hopper as attn_gluon
-
-if attn_gluon._IMPORTED:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
+from ..gluon_common import (IMPORTED, async_copy, async_load, fence_async_shared, gather_rows, gl, gluon, mbarrier,
+                            mbarriers, warpgroup_mma)
 
 HEADS, HEAD_DIM = 64, 128
 # BLOCK_N: key rows per tile; STAGES: ring depth (even: each consumer owns the stages of its parity); REGS: registers
@@ -36,14 +31,14 @@ CONFIG = dict(BLOCK_N=32, STAGES=4, REGS=(216, 40))
 
 def available(qi: torch.Tensor, ki: torch.Tensor) -> bool:
     """True when :func:`launch_bwd` can run: Gluon, SM90, bf16/fp16 qi and ki of one dtype, 64 heads of 128."""
-    if not attn_gluon._IMPORTED or not qi.is_cuda or qi.dtype not in (torch.bfloat16, torch.float16):
+    if not IMPORTED or not qi.is_cuda or qi.dtype not in (torch.bfloat16, torch.float16):
         return False
     if ki.dtype != qi.dtype or torch.cuda.get_device_capability(qi.device)[0] != 9:
         return False
     return tuple(qi.shape[1:]) == (HEADS, HEAD_DIM)
 
 
-if attn_gluon._IMPORTED:
+if IMPORTED:
     HEADS_C = gl.constexpr(HEADS)
     HEAD_DIM_C = gl.constexpr(HEAD_DIM)
 
@@ -57,7 +52,7 @@ if attn_gluon._IMPORTED:
         for r in gl.static_range(0, HEADS_C, 16):
             heads = r + gl.arange(0, 16, layout=gl.SliceLayout(1, io))
             src = QI + (t * HEADS_C + heads.to(gl.int64))[:, None] * HEAD_DIM_C + cols[None, :]
-            async_copy.async_copy_global_to_shared(qi_smem.slice(r, 16, dim=0), src)
+            async_load(qi_smem.slice(r, 16, dim=0), src)
         async_copy.commit_group()                 # covered by the first full[] arrival
         for b in range(gl.cdiv(n_end, BLOCK_N)):
             stage = b % STAGES
@@ -65,7 +60,7 @@ if attn_gluon._IMPORTED:
             for r in gl.static_range(0, BLOCK_N, 16):
                 n = b * BLOCK_N + r + gl.arange(0, 16, layout=gl.SliceLayout(1, io))
                 idx = gl.load(IDX + t * K + n, mask=n < K, other=-1)
-                attn_gluon._gather_rows(ring.index(stage), r, idx, KI, cols, HEAD_DIM_C)
+                gather_rows(ring.index(stage), r, idx, KI, cols, HEAD_DIM_C)
             async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
             async_copy.commit_group()
         async_copy.wait_group(0)
@@ -148,9 +143,9 @@ if attn_gluon._IMPORTED:
         dq_part = gl.allocate_shared_memory(gl.float32, [HEADS_C, HEAD_DIM_C],
                                             gl.NVMMASharedLayout.get_default_for([HEADS_C, HEAD_DIM_C], gl.float32))
         dw_part = gl.allocate_shared_memory(gl.float32, [HEADS_C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        full = attn_gluon.mbarriers(STAGES, 128)
-        empty = attn_gluon.mbarriers(STAGES, 1)
-        handed = attn_gluon.mbarriers(1, 1)
+        full = mbarriers(STAGES, 128)
+        empty = mbarriers(STAGES, 1)
+        handed = mbarriers(1, 1)
         gl.warp_specialize([
             (_kl_consumer, (W_, IDX, G, GRAD, DQI, DKI, DW, K, t, n_end, qi_all, ring, dx_hi, dx_lo, dq_part, dw_part,
                             full, empty, handed, gl.constexpr(0), BLOCK_N, STAGES, SPLIT)),

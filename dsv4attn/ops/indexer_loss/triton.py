@@ -599,7 +599,8 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
                                     meta["SPLIT_DX"])
                 continue
             except Exception as exc:
-                sparse_triton.note_gluon_build_failure(exc, GLUON_BWD_FAILED, Di, qi.dtype, "KL backward kernel",
+                sparse_triton.note_gluon_build_failure(exc, GLUON_BWD_FAILED, Di, qi.dtype,
+                                                       "KL backward kernel (_indexer_kl_bwd_gluon)",
                                                        "using the Triton kernel")
                 gluon = False
         _launch(_indexer_kl_bwd_kernel, e - s,
@@ -629,7 +630,8 @@ def _gluon_teacher_mass(operands, idx: torch.Tensor, full_lse: torch.Tensor, sca
     try:
         return gluon_hopper.teacher_mass(qm, ckv, idx, full_lse, scale)
     except Exception as exc:
-        sparse_triton.note_gluon_build_failure(exc, GLUON_MASS_FAILED, D, qm.dtype, "teacher-mass kernel",
+        sparse_triton.note_gluon_build_failure(exc, GLUON_MASS_FAILED, D, qm.dtype,
+                                               "teacher-mass kernel (_teacher_mass_gluon)",
                                                "the Triton KL kernel forms the mass")
         return None
 

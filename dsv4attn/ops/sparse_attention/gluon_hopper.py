@@ -16,7 +16,7 @@ Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_
   STAGES NVMMA-swizzled shared-memory tiles with ``cp.async``, each thread's completions arriving on
   ``full[stage]``; refills a stage once its consumers have arrived on ``empty[stage]`` (both consumers in the
   attention forward, the one that used it in the teacher-mass kernel). The next block's slot indices are loaded
-  while it waits.
+  while it waits. (The producer's pieces are shared with the other Gluon kernels: :mod:`..gluon_common`.)
 - consumer W (W = 0, 1) owns output columns [W * D/2, (W+1) * D/2) (a 64 x D/2 fp32 accumulator) and the softmax of
   blocks b = W, W + 2, ...: S = Q K^T over the full contraction (wgmma, N = BLOCK_N), the online softmax from the
   running max left by block b - 1, then P (bf16) and the row statistics (rescale factor, row sum, new max) go to
@@ -36,18 +36,10 @@ from __future__ import annotations
 
 import torch
 
-try:  # Gluon is experimental: any import problem (older or newer Triton) just disables this path.
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
-    _IMPORTED = True
-except Exception:  # pragma: no cover - depends on the installed Triton
-    _IMPORTED = False
+from ..gluon_common import (BLOCK_H, IMPORTED, async_copy, copy_heads, fence_async_shared, gl, gluon, mbarrier,
+                            mbarriers, program_row, ring_gather, thread_barrier, warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
-BLOCK_H = 64
 # BLOCK_N: gathered rows per block; STAGES: ring depth; REGS: registers per thread of the worker consumer and the
 # producer (setmaxnreg; the first consumer gets the rest of the 64K). H200, T = 32768, H = 64, K = 640 (third
 # session, before the index prefetch and staged stores): REGS (216, 40) 7.32-7.38 ms, (232, 24) 7.70-7.78,
@@ -60,14 +52,14 @@ FWD_CONFIG = dict(BLOCK_N=64, STAGES=2, REGS=(216, 40))
 def available(q: torch.Tensor) -> bool:
     """True when this kernel can run for ``q``: Gluon imported, q on an SM90 GPU, bf16/fp16, H % 64 == 0 and
     D in (128, 256, 512)."""
-    if not _IMPORTED or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+    if not IMPORTED or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     return q.shape[1] % BLOCK_H == 0 and q.shape[2] in (128, 256, 512)
 
 
-if _IMPORTED:
+if IMPORTED:
     # Module-level numbers a jit function reads must be constexpr.
     LOG2E_C = gl.constexpr(LOG2E)
     LN2_C = gl.constexpr(0.6931471805599453)
@@ -95,41 +87,11 @@ if _IMPORTED:
         scale_o = gl.where(has_keys, 1.0 / denom, 0.0)
         out = acc * gl.convert_layout(scale_o, gl.SliceLayout(1, o_layout))[:, None]
         staging.store(out.to(OUT.dtype.element_ty))
-        gl.thread_barrier()
+        thread_barrier()
         st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         h_o = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, st_layout))
         c_o = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, st_layout))
         gl.store(OUT + t * H * D + h_o.to(gl.int64)[:, None] * D + c_o[None, :], staging.load(st_layout))
-
-    @gluon.jit
-    def program_row(H):
-        # (query row t as int64, head block hb) of this program: one program per (row, 64-head block).
-        pid = gl.program_id(0)
-        return (pid // (H // BLOCK_H_C)).to(gl.int64), pid % (H // BLOCK_H_C)
-
-    @gluon.jit
-    def mbarriers(n: gl.constexpr, count: gl.constexpr):
-        # n mbarriers in shared memory, each completing a phase after ``count`` arrivals.
-        bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(n):
-            mbarrier.init(bars.index(i), count=count)
-        return bars
-
-    @gluon.jit
-    def _slot_rows(IDX, row_base, b, r: gl.constexpr, K, BLOCK_N: gl.constexpr, layout: gl.constexpr):
-        # Slot indices of rows r .. r + 16 of block b (-1 past K).
-        n = b * BLOCK_N + r + gl.arange(0, 16, layout=layout)
-        return gl.load(IDX + row_base + n, mask=n < K, other=-1)
-
-    @gluon.jit
-    def _gather_rows(stage_smem, r: gl.constexpr, idx, KV, cols, D: gl.constexpr):
-        # cp.async of kv rows idx into rows r .. r + 16. Empty slots (-1) are masked copies (zero-filled, never read
-        # unmasked by the consumers) that read no memory: as reads of row 0 they made every program of a pack with
-        # many empty slots (short documents) hammer the same L2 lines.
-        ok = idx >= 0
-        rows = gl.where(ok, idx, 0).to(gl.int64) * D
-        async_copy.async_copy_global_to_shared(stage_smem.slice(r, 16, dim=0), KV + rows[:, None] + cols[None, :],
-                                               mask=ok[:, None])
 
     @gluon.jit
     def _pp_producer(Q, KV, IDX, H, K, t, hb, q_smem, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -138,51 +100,6 @@ if _IMPORTED:
         copy_heads(Q, H, t, hb, q_smem, D)
         async_copy.commit_group()           # waited for below even when K == 0 (no block arrives on full[])
         ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, STAGES)
-
-    @gluon.jit
-    def copy_heads(X, H, t, hb, x_smem, D: gl.constexpr):
-        # cp.async of the 64 heads of head block hb of row t of X (T, H, D) into x_smem (not committed).
-        io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, io))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, io))
-        async_copy.async_copy_global_to_shared(x_smem, X + t * H * D + heads.to(gl.int64)[:, None] * D + cols[None, :])
-
-    @gluon.jit
-    def ring_gather(KV, IDX, K, t, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                     STAGES: gl.constexpr):
-        # The producers' loop (attention forward, teacher mass, backward dKV): every block's rows into ring stage
-        # b % STAGES once the consumers have released it (empty[stage]); each thread's cp.async completions arrive
-        # on full[stage] (count 128; the first arrival also covers copies committed before the loop, e.g. q).
-        # Block b + 1's slot indices are loaded right after block b's copies are issued, so their global-load
-        # latency passes while the producer waits for the next free stage (profiled on the H200: the index loads
-        # issued after the wait were the producer's main stall). BLOCK_N is 16, 32 or 64.
-        io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        n_layout: gl.constexpr = gl.SliceLayout(1, io)
-        row_base = t * K
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, io))
-        i0 = _slot_rows(IDX, row_base, 0, 0, K, BLOCK_N, n_layout)
-        i1 = _slot_rows(IDX, row_base, 0, 16, K, BLOCK_N, n_layout)
-        i2 = _slot_rows(IDX, row_base, 0, 32, K, BLOCK_N, n_layout)
-        i3 = _slot_rows(IDX, row_base, 0, 48, K, BLOCK_N, n_layout)
-        for b in range(gl.cdiv(K, BLOCK_N)):
-            stage = b % STAGES
-            mbarrier.wait(empty.index(stage), ((b // STAGES) + 1) & 1, pred=b >= STAGES)
-            kv_stage = ring.index(stage)
-            _gather_rows(kv_stage, 0, i0, KV, cols, D)
-            if BLOCK_N > 16:
-                _gather_rows(kv_stage, 16, i1, KV, cols, D)
-            if BLOCK_N > 32:
-                _gather_rows(kv_stage, 32, i2, KV, cols, D)
-                _gather_rows(kv_stage, 48, i3, KV, cols, D)
-            async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
-            async_copy.commit_group()
-            i0 = _slot_rows(IDX, row_base, b + 1, 0, K, BLOCK_N, n_layout)
-            if BLOCK_N > 16:
-                i1 = _slot_rows(IDX, row_base, b + 1, 16, K, BLOCK_N, n_layout)
-            if BLOCK_N > 32:
-                i2 = _slot_rows(IDX, row_base, b + 1, 32, K, BLOCK_N, n_layout)
-                i3 = _slot_rows(IDX, row_base, b + 1, 48, K, BLOCK_N, n_layout)
-        async_copy.wait_group(0)
 
     @gluon.jit
     def _pp_publish(s, m_i, b, p_buf, stats, pready, pfree):

@@ -15,7 +15,7 @@ the gradient: S = Q KV^T, dP = dO KV^T, dQ += dS KV, dKV = P^T dO + dS^T Q.
 Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_specialize``):
 
 - producer: q and dO of the head block (cp.async), then the kv rows of each 64-slot tile into a one-stage ring
-  (:func:`.gluon_hopper.ring_gather`; q, dO and the tile take 192 KiB, so one stage is all that fits);
+  (:func:`dsv4attn.ops.gluon_common.ring_gather`; q, dO and the tile take 192 KiB, so one stage is all that fits);
 - softmax warpgroup (the default partition): S and dP (asynchronous wgmma, back to back), P and dS in registers,
   stored to the tile's P / dS buffers (two of each, alternating by tile) for the dKV warpgroup, then
   dQ[:, :D/2] += dS KV[:, :D/2]; releases the kv stage;
@@ -33,15 +33,14 @@ from __future__ import annotations
 
 import torch
 
+from .. import gluon_common
+from ..gluon_common import (BLOCK_H, IMPORTED, copy_heads, fence_async_shared, gl, gluon, mbarrier, mbarriers,
+                            program_row, ring_gather, thread_barrier, warpgroup_mma, warpgroup_mma_wait)
 from . import gluon_hopper
-from .gluon_hopper import BLOCK_H
+from .gluon_hopper import LOG2E
 
-if gluon_hopper._IMPORTED:
+if IMPORTED:
     import triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
 
 BLOCK_N = 64          # slots per tile: the dKV products need M = 64 slots per wgmma
 # REGS: registers per thread of the dKV warpgroup and of the producer (setmaxnreg); the softmax warpgroup gets
@@ -55,7 +54,7 @@ def available(q: torch.Tensor) -> bool:
     return gluon_hopper.available(q) and q.shape[2] == 512
 
 
-if gluon_hopper._IMPORTED:
+if IMPORTED:
     BLOCK_H_C = gl.constexpr(BLOCK_H)
 
     @triton.constexpr_function
@@ -71,17 +70,17 @@ if gluon_hopper._IMPORTED:
     @gluon.jit
     def _bwd_producer(Q, DO, KV, IDX, H, K, t, hb, q_smem, do_smem, ring, full, empty, D: gl.constexpr,
                       BLOCK_N: gl.constexpr):
-        gluon_hopper.copy_heads(Q, H, t, hb, q_smem, D)
-        gluon_hopper.copy_heads(DO, H, t, hb, do_smem, D)
-        gluon_hopper.async_copy.commit_group()      # the first full[] arrival covers these copies too
-        gluon_hopper.ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, 1)
+        copy_heads(Q, H, t, hb, q_smem, D)
+        copy_heads(DO, H, t, hb, do_smem, D)
+        gluon_common.async_copy.commit_group()      # the first full[] arrival covers these copies too
+        ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, 1)
 
     @gluon.jit
     def _store_dq(dq, DQ, t, H, hb, col0: gl.constexpr, staging, D: gl.constexpr):
         # dq columns [col0, col0 + its width) of the head block, through ``staging`` (shared memory of its shape, free
         # by now) so that each warp writes whole 512-byte row segments instead of the wgmma layout's 4-byte pieces.
         staging.store(dq.to(DQ.dtype.element_ty))
-        gl.thread_barrier()
+        thread_barrier()
         st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         h_o = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, st_layout))
         c_o = col0 + gl.arange(0, dq.shape[1], layout=gl.SliceLayout(0, st_layout))
@@ -188,7 +187,7 @@ if gluon_hopper._IMPORTED:
     def _sparse_attn_bwd_gluon(Q, DO, KV, IDX, DENOM2, DELTA, DQ, DKV, H, K, qk_scale_log2, scale,
                                D: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr,
                                REGS: gl.constexpr):
-        t, hb = gluon_hopper.program_row(H)
+        t, hb = program_row(H)
         dtype: gl.constexpr = Q.dtype.element_ty
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype)
         q_all = gl.allocate_shared_memory(dtype, [1, BLOCK_H_C, D], x_layout)
@@ -197,10 +196,10 @@ if gluon_hopper._IMPORTED:
         t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, BLOCK_N], dtype)
         p_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)
         ds_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)
-        full = gluon_hopper.mbarriers(1, 128)        # the producer's 128 threads' cp.async completions
-        empty = gluon_hopper.mbarriers(1, 2)         # both consumers' dq products have read the tile
-        pready = gluon_hopper.mbarriers(2, 1)
-        pfree = gluon_hopper.mbarriers(2, 1)
+        full = mbarriers(1, 128)        # the producer's 128 threads' cp.async completions
+        empty = mbarriers(1, 2)         # both consumers' dq products have read the tile
+        pready = mbarriers(2, 1)
+        pfree = mbarriers(2, 1)
         gl.warp_specialize([
             (_bwd_softmax, (IDX, DQ, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf,
                             ds_buf, full, empty, pready, pfree, D, BLOCK_N)),
@@ -225,15 +224,8 @@ def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None):
         return
     acc = torch.zeros_like(dkv)                 # dKV with each 16-column group permuted (see _bwd_dkv)
     _sparse_attn_bwd_gluon[(T * (H // BLOCK_H),)](
-        q, do, kv, idx, denom2, delta, dq, acc, H, K, scale * gluon_hopper.LOG2E, scale,
+        q, do, kv, idx, denom2, delta, dq, acc, H, K, scale * LOG2E, scale,
         D=D, BLOCK_N=BLOCK_N, CHUNK=cfg["CHUNK"], num_warps=4, REGS=tuple(cfg["REGS"]))
     N = dkv.shape[0]
     dkv += acc.view(N, D // 16, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(N, D)
 
-
-def aot_kernels():
-    """(name, kernel, signature, constexprs) of this module's kernels at their default config, for offline builds."""
-    bf = "*bf16"
-    sig = dict(Q=bf, DO=bf, KV=bf, IDX="*i32", DENOM2="*fp32", DELTA="*fp32", DQ=bf, DKV="*fp32", H="i32", K="i32",
-               qk_scale_log2="fp32", scale="fp32")
-    return [("attn_bwd", _sparse_attn_bwd_gluon, sig, dict(D=512, BLOCK_N=BLOCK_N, num_warps=4, **BWD_CONFIG))]

@@ -480,13 +480,15 @@ def _gluon_build_error(exc: Exception) -> bool:
 def note_gluon_build_failure(exc: Exception, failed: dict, D: int, dtype: torch.dtype, kernel: str,
                              instead: str) -> None:
     """Called from an ``except`` around a Gluon launch: re-raises ``exc`` unless it is a build failure; otherwise
-    records it in ``failed[(D, dtype)]`` (so that "auto" does not try again) and warns once. Gluon is experimental
-    and changes between Triton releases: a Triton that cannot build a kernel gets the Triton path instead."""
+    records it in ``failed[(D, dtype)]`` (so that "auto" does not try again) and warns once, naming ``kernel`` (what
+    it computes and its Gluon function) and the installed Triton. Gluon is experimental and changes between Triton
+    releases: a Triton that cannot build a kernel gets the Triton path instead."""
     if not _gluon_build_error(exc):
         raise exc
     failed[(D, dtype)] = f"{type(exc).__name__}: {exc}"
-    warnings.warn(f"dsv4attn: the Gluon {kernel} could not be built for D={D} {dtype} ({type(exc).__name__}: "
-                  f"{str(exc)[:500]}); {instead}", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"dsv4attn: the Gluon {kernel} could not be built for D={D} {dtype} by Triton "
+                  f"{triton.__version__} ({type(exc).__name__}: {str(exc)[:500]}); {instead}", RuntimeWarning,
+                  stacklevel=3)
 
 
 def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
@@ -506,7 +508,8 @@ def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
         except Exception as exc:
             if config and config.get("KERNEL") == "gluon":          # an explicit request raises
                 raise
-            note_gluon_build_failure(exc, GLUON_FAILED, D, q.dtype, "sparse-attention forward",
+            note_gluon_build_failure(exc, GLUON_FAILED, D, q.dtype,
+                                     "sparse-attention forward kernel (_sparse_attn_fwd_gluon)",
                                      "using the Triton kernel")
             rest = {}
     _launch(_sparse_attn_fwd_kernel, lambda grid, meta: grid, q, rest or FWD_CONFIGS[D],
@@ -589,8 +592,7 @@ def _gluon_bwd(q, kv, idx, out, grad_out, denom2, dq, dkv, scale):
     try:
         gluon_hopper_bwd.launch(q, grad_out, kv_read, idx, denom2, delta, dq, dkv, scale)
     except Exception as exc:
-        note_gluon_build_failure(exc, GLUON_BWD_FAILED, q.shape[2], q.dtype, "sparse-attention backward",
-                                 "using the Triton backward")
+        note_gluon_build_failure(exc, GLUON_BWD_FAILED, q.shape[2], q.dtype, "sparse-attention backward kernel (_sparse_attn_bwd_gluon)", "using the Triton backward")
         dkv.zero_()
         return None
     return delta

@@ -1,0 +1,129 @@
+"""Gluon (SM90) building blocks shared by the kernels, and the one module that imports Triton's Gluon.
+
+Gluon is experimental and renames things between Triton releases. The kernels keep one code path each and call the
+names below; where releases differ, a name is bound here to whichever builtin this Triton has (no wrapper around it,
+so a kernel traces the same operations on every release; tests/ops/test_gluon_builds.py builds every kernel for
+sm_90 with the installed Triton). Triton 3.6, 3.7 and 3.9 build them all:
+
+- ``async_load(smem, pointers, mask=None)``, cp.async into shared memory: ``async_copy.async_load`` from 3.9,
+  ``async_copy.async_copy_global_to_shared`` in 3.6 and 3.7;
+- ``tma_load(desc, coord, barrier, smem)``, a TMA copy: ``tma.async_load`` from 3.9,
+  ``tma.async_copy_global_to_shared`` in 3.6 and 3.7;
+- ``thread_barrier()``, a barrier of the CTA's threads: ``gl.barrier`` from 3.7, ``gl.thread_barrier`` in 3.6.
+
+3.9 keeps the old copy names only to raise "has been removed", so the new names are looked up first.
+``gl.warp_specialize([(default, args), (worker, args), ...], worker_num_warps, worker_num_regs)`` takes the same
+arguments in all three and needs no shim.
+
+:data:`IMPORTED` is False where this Triton has no usable Gluon (or lacks one of the names): the package still
+imports (the names a kernel module imports from here exist, as None), the kernel modules define no kernels, and
+their ``available()`` says no.
+
+The building blocks: one program per (query row, 64-head block) (:func:`program_row`), mbarrier arrays, and the
+producer warpgroup's cp.async gathers of rows into a ring of shared-memory stages (:func:`ring_gather`, from
+:func:`slot_rows` and :func:`gather_rows`; :func:`copy_heads`), used by the attention forward and teacher mass
+(:mod:`.sparse_attention.gluon_hopper`), the attention backward dKV (:mod:`.sparse_attention.gluon_hopper_bwd`) and
+the indexer KL backward (:mod:`.indexer_loss.gluon_hopper`).
+"""
+from __future__ import annotations
+
+# Bound whether or not Gluon imports, so that the kernel modules' imports of them always work.
+gluon = gl = async_copy = mbarrier = tma = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
+TensorDescriptor = async_load = tma_load = thread_barrier = None
+program_row = mbarriers = slot_rows = gather_rows = copy_heads = ring_gather = None
+
+try:  # any import problem (older or newer Triton) just disables the Gluon paths
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    IMPORTED = True
+except Exception:  # pragma: no cover - depends on the installed Triton
+    IMPORTED = False
+
+# Heads per program of the attention kernels (the wgmma M of their products).
+BLOCK_H = 64
+
+
+if IMPORTED:
+    BLOCK_H_C = gl.constexpr(BLOCK_H)
+
+    @gluon.jit
+    def program_row(H):
+        # (query row t as int64, head block hb) of this program: one program per (row, 64-head block).
+        pid = gl.program_id(0)
+        return (pid // (H // BLOCK_H_C)).to(gl.int64), pid % (H // BLOCK_H_C)
+
+    @gluon.jit
+    def mbarriers(n: gl.constexpr, count: gl.constexpr):
+        # n mbarriers in shared memory, each completing a phase after ``count`` arrivals.
+        bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(n):
+            mbarrier.init(bars.index(i), count=count)
+        return bars
+
+    @gluon.jit
+    def slot_rows(IDX, row_base, b, r: gl.constexpr, K, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+        # Slot indices of rows r .. r + 16 of block b (-1 past K).
+        n = b * BLOCK_N + r + gl.arange(0, 16, layout=layout)
+        return gl.load(IDX + row_base + n, mask=n < K, other=-1)
+
+    @gluon.jit
+    def gather_rows(stage_smem, r: gl.constexpr, idx, KV, cols, D: gl.constexpr):
+        # cp.async of kv rows idx into rows r .. r + 16. Empty slots (-1) are masked copies (zero-filled, never read
+        # unmasked by the consumers) that read no memory: as reads of row 0 they made every program of a pack with
+        # many empty slots (short documents) hammer the same L2 lines.
+        ok = idx >= 0
+        rows = gl.where(ok, idx, 0).to(gl.int64) * D
+        async_load(stage_smem.slice(r, 16, dim=0), KV + rows[:, None] + cols[None, :], mask=ok[:, None])
+
+    @gluon.jit
+    def copy_heads(X, H, t, hb, x_smem, D: gl.constexpr):
+        # cp.async of the 64 heads of head block hb of row t of X (T, H, D) into x_smem (not committed).
+        io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, io))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, io))
+        async_load(x_smem, X + t * H * D + heads.to(gl.int64)[:, None] * D + cols[None, :])
+
+    @gluon.jit
+    def ring_gather(KV, IDX, K, t, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr):
+        # The producers' loop (attention forward, teacher mass, backward dKV): every block's rows into ring stage
+        # b % STAGES once the consumers have released it (empty[stage]); each thread's cp.async completions arrive
+        # on full[stage] (count 128; the first arrival also covers copies committed before the loop, e.g. q).
+        # Block b + 1's slot indices are loaded right after block b's copies are issued, so their global-load
+        # latency passes while the producer waits for the next free stage (profiled on the H200: the index loads
+        # issued after the wait were the producer's main stall). BLOCK_N is 16, 32 or 64.
+        io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        n_layout: gl.constexpr = gl.SliceLayout(1, io)
+        row_base = t * K
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, io))
+        i0 = slot_rows(IDX, row_base, 0, 0, K, BLOCK_N, n_layout)
+        i1 = slot_rows(IDX, row_base, 0, 16, K, BLOCK_N, n_layout)
+        i2 = slot_rows(IDX, row_base, 0, 32, K, BLOCK_N, n_layout)
+        i3 = slot_rows(IDX, row_base, 0, 48, K, BLOCK_N, n_layout)
+        for b in range(gl.cdiv(K, BLOCK_N)):
+            stage = b % STAGES
+            mbarrier.wait(empty.index(stage), ((b // STAGES) + 1) & 1, pred=b >= STAGES)
+            kv_stage = ring.index(stage)
+            gather_rows(kv_stage, 0, i0, KV, cols, D)
+            if BLOCK_N > 16:
+                gather_rows(kv_stage, 16, i1, KV, cols, D)
+            if BLOCK_N > 32:
+                gather_rows(kv_stage, 32, i2, KV, cols, D)
+                gather_rows(kv_stage, 48, i3, KV, cols, D)
+            async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
+            async_copy.commit_group()
+            i0 = slot_rows(IDX, row_base, b + 1, 0, K, BLOCK_N, n_layout)
+            if BLOCK_N > 16:
+                i1 = slot_rows(IDX, row_base, b + 1, 16, K, BLOCK_N, n_layout)
+            if BLOCK_N > 32:
+                i2 = slot_rows(IDX, row_base, b + 1, 32, K, BLOCK_N, n_layout)
+                i3 = slot_rows(IDX, row_base, b + 1, 48, K, BLOCK_N, n_layout)
+        async_copy.wait_group(0)

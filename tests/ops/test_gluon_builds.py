@@ -1,0 +1,145 @@
+"""Every Gluon (SM90) kernel builds for sm_90 with the installed Triton, compiled offline: no GPU needed.
+
+Gluon is experimental and its names move between Triton releases (the shims are in dsv4attn/ops/gluon_common.py).
+On a GPU a kernel that no longer builds only shows as a warning and a fall back to the Triton kernels, and the GPU
+tests are not run by CPU CI: this test makes CI's Triton build each kernel (Gluon front end, MLIR passes, ptxas)
+once, at its launcher's default config, with the launcher's argument types (bf16, D = 512 for the attention; pointer
+arguments 16-byte aligned, as the runtime specialises them), and checks that its shared memory fits an SM90 block.
+Cost with a cold Triton cache on a 2-core CPU: about 30 s of CPU time with Triton 3.9, 20 s with 3.6 (one child
+process compiles all six; a warm cache skips the compiles).
+
+:func:`gluon_kernels` and :func:`compile_sm90` also serve offline studies of a kernel (registers, spills, SASS).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4attn.ops import gluon_common
+
+ROOT = Path(__file__).resolve().parents[2]
+SM90_SHARED_MEMORY_BYTES = 232448           # the most one SM90 thread block may allocate
+
+
+def gluon_kernels():
+    """(name, jit function, signature, constexprs) of every Gluon kernel, at its launcher's defaults."""
+    from triton.runtime.jit import mangle_type
+
+    from dsv4attn.ops.indexer import gluon_hopper as scores
+    from dsv4attn.ops.indexer_loss import gluon_hopper as kl
+    from dsv4attn.ops.sparse_attention import gluon_hopper as attn, gluon_hopper_bwd as attn_bwd
+
+    bf, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
+    fwd, bwd, kl_cfg = attn.FWD_CONFIG, attn_bwd.BWD_CONFIG, kl.CONFIG
+    # The query descriptor of the TMA producer, typed as the runtime types the one launch_orders makes.
+    q = torch.empty(scores.BLOCK_T, scores.HEADS * scores.HEAD_DIM, dtype=torch.bfloat16)
+    layout = gluon_common.gl.NVMMASharedLayout.get_default_for([scores.BLOCK_T, scores.HEAD_DIM],
+                                                               gluon_common.gl.bfloat16)
+    q_desc = mangle_type(gluon_common.TensorDescriptor.from_tensor(q, [scores.BLOCK_T, scores.HEAD_DIM], layout))
+    score_sig = dict(Q=bf, Q_DESC=bf, K=bf, W_=f32, FIRST=i64, VISIBLE=i64, TABLE=i64, ORDERS=i32, rows_c="i32",
+                     width="i32", shift="i32")
+    # The two producers of the score kernel; the table lookup is compiled in one of them.
+    score_consts = {tma: dict(HAS_TABLE=not tma, STAGES=scores.CONFIG["STAGES"], num_warps=4,
+                              REGS=scores.DEFAULT_REGS[tma], TMA=tma) for tma in (True, False)}
+    return [
+        ("attn_fwd", attn._sparse_attn_fwd_gluon,
+         dict(Q=bf, KV=bf, IDX=i32, SINK=f32, OUT=bf, LSE=f32, H="i32", K="i32", qk_scale_log2="fp32"),
+         dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
+        ("teacher_mass", attn._teacher_mass_gluon,
+         dict(Q=bf, CKV=bf, IDX=i32, FULL_LSE=f32, MASS=f32, H="i32", K="i32", qk_scale="fp32"),
+         dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
+        ("attn_bwd", attn_bwd._sparse_attn_bwd_gluon,
+         dict(Q=bf, DO=bf, KV=bf, IDX=i32, DENOM2=f32, DELTA=f32, DQ=bf, DKV=f32, H="i32", K="i32",
+              qk_scale_log2="fp32", scale="fp32"),
+         dict(D=512, BLOCK_N=attn_bwd.BLOCK_N, CHUNK=bwd["CHUNK"], num_warps=4, REGS=tuple(bwd["REGS"]))),
+        ("indexer_scores_tma", scores._indexer_orders_gluon, dict(score_sig, Q_DESC=q_desc), score_consts[True]),
+        ("indexer_scores_cpasync", scores._indexer_orders_gluon, score_sig, score_consts[False]),
+        ("kl_bwd", kl._indexer_kl_bwd_gluon,
+         dict(QI=bf, KI=bf, W_=f32, IDX=i32, NEND=i32, G=f32, GRAD=f32, DQI=bf, DKI=f32, DW=f32, K="i32"),
+         dict(BLOCK_N=kl_cfg["BLOCK_N"], STAGES=kl_cfg["STAGES"], SPLIT=True, num_warps=4,
+              REGS=tuple(kl_cfg["REGS"]))),
+    ]
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict):
+    """``fn`` compiled for sm_90 (CUDA 9.0, 32-thread warps) without a GPU: the compiled kernel (asm, metadata)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    signature = dict(signature, **{name: "constexpr" for name in constexprs})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values()) if ty.startswith("*")}
+    source = GluonASTSource(fn, signature, constexprs, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=constexprs["num_warps"]))
+
+
+KERNEL_NAMES = ["attn_fwd", "teacher_mass", "attn_bwd", "indexer_scores_tma", "indexer_scores_cpasync", "kl_bwd"]
+
+
+def _worker():
+    """Compiles every kernel; prints one ``RESULTS <json>`` line: per kernel its shared memory or its error."""
+    results = {}
+    for name, fn, signature, constexprs in gluon_kernels():
+        try:
+            kernel = compile_sm90(fn, signature, constexprs)
+            results[name] = dict(shared=kernel.metadata.shared, cubin=len(kernel.asm["cubin"]))
+        except Exception as exc:                # reported by the test of this kernel
+            results[name] = dict(error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
+    print("RESULTS " + json.dumps(results), flush=True)
+
+
+@pytest.fixture(scope="module")
+def builds():
+    # In a child process: the compiles' state stays out of the test session (and Triton 3.9's nanobind reports
+    # leaked objects at the exit of a process that compiled Gluon, noise for the session's output).
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    code = "from tests.ops.test_gluon_builds import _worker; _worker()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert lines, f"the compile worker failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.skipif(not gluon_common.IMPORTED, reason="this Triton has no usable Gluon")
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_gluon_kernel_builds_for_sm90(builds, name):
+    import triton
+
+    assert sorted(builds) == sorted(KERNEL_NAMES), "gluon_kernels() and KERNEL_NAMES list different kernels"
+    result = builds[name]
+    assert "error" not in result, f"{name} does not build with Triton {triton.__version__}: {result.get('error')}"
+    assert result["cubin"] > 0
+    assert 0 < result["shared"] <= SM90_SHARED_MEMORY_BYTES, \
+        f"{name}: {result['shared']} bytes of shared memory, more than an SM90 block has"
+
+
+def test_the_package_imports_without_gluon():
+    """A Triton without Gluon: dsv4attn and its kernel modules import, IMPORTED is False, nothing is available."""
+    code = "\n".join([
+        "import sys",
+        "sys.modules['triton.experimental.gluon'] = None      # any import of it fails",
+        "import torch",
+        "from dsv4attn.ops import gluon_common",
+        "from dsv4attn.ops.sparse_attention import gluon_hopper, gluon_hopper_bwd, triton as sat",
+        "from dsv4attn.ops.indexer import gluon_hopper as scores, triton as it",
+        "from dsv4attn.ops.indexer_loss import gluon_hopper as kl, triton as klt",
+        "import dsv4attn",
+        "assert not gluon_common.IMPORTED and gluon_common.gl is None",
+        "q = torch.zeros(1, 64, 512, dtype=torch.bfloat16)",
+        "qi = torch.zeros(1, 64, 128, dtype=torch.bfloat16)",
+        "assert not (gluon_hopper.available(q) or gluon_hopper_bwd.available(q) or scores.available(qi, qi[0])",
+        "            or kl.available(qi, qi[0]))",
+        "print('OK')",
+    ])
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-2000:] + proc.stderr[-4000:]
