@@ -43,13 +43,23 @@ def to_hf_state_dict(layer) -> dict[str, torch.Tensor]:
     return {to_hf[k]: v for k, v in layer.state_dict().items()}
 
 
+LOADABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def load_attention_state_dict(layer, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
     """Copy ``state_dict`` (native, HF or DeepSeek names; one naming per call) into ``layer``.
 
-    Returns ``(missing, unexpected)`` lists of key names. With ``strict`` any missing or unexpected key raises a
-    ValueError that names them; a shape mismatch always raises (nothing is loaded then). Values are copied into the existing parameters, so
-    fp32 parameters stay fp32 whatever the checkpoint dtype.
+    Returns ``(missing, unexpected)`` lists of key names. Every entry is checked before anything is copied, so a
+    refused state dict leaves the layer exactly as it was: with ``strict`` any missing or unexpected key raises a
+    ValueError that names them; a known key whose value is not a tensor, has another shape than its parameter, or
+    is not a floating-point tensor with values (fp16 / bf16 / fp32 / fp64; not quantised fp8 or integer, not on
+    the meta device) always raises, naming every such key and what was expected. Values are copied into the
+    existing parameters, so fp32 parameters stay fp32 whatever the checkpoint dtype.
     """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of parameter names to tensors, got {type(state_dict).__name__}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
     to_hf, to_ds = name_tables(layer.compress_ratio)
     native_keys = list(to_hf)
     incoming = set(state_dict)
@@ -63,23 +73,37 @@ def load_attention_state_dict(layer, state_dict: Mapping[str, torch.Tensor], str
     missing = [best[k] for k in native_keys if best[k] not in incoming]
     unexpected = sorted(k for k in incoming if k not in from_external)
     params = dict(layer.named_parameters())
-    shape_errors = []
+    shape_errors, value_errors = [], []
     for ext, value in state_dict.items():
         native = from_external.get(ext)
         if native is None:
             continue
-        if tuple(value.shape) != tuple(params[native].shape):
-            shape_errors.append(f"{ext}: expected {tuple(params[native].shape)}, got {tuple(value.shape)}")
+        want = tuple(params[native].shape)
+        if not isinstance(value, torch.Tensor):
+            value_errors.append(f"{ext}: expected a torch.Tensor of shape {want}, got {type(value).__name__}")
+        elif tuple(value.shape) != want:
+            shape_errors.append(f"{ext}: expected {want}, got {tuple(value.shape)}")
+        elif value.dtype not in LOADABLE_DTYPES:
+            hint = (" (quantised weights: dequantise them with their scales first)"
+                    if "float8" in str(value.dtype) else "")
+            value_errors.append(f"{ext}: expected a floating-point dtype in {[str(d) for d in LOADABLE_DTYPES]}, "
+                                f"got {value.dtype}{hint}")
+        elif value.device.type == "meta":
+            value_errors.append(f"{ext}: expected a tensor with values, got one on the meta device")
     parts = []
     if strict and missing:
         parts.append(f"missing keys {missing}")
     if strict and unexpected:
         parts.append(f"unexpected keys {unexpected}")
-    if shape_errors:  # like nn.Module.load_state_dict: a wrong shape is an error even when not strict
+    # Like nn.Module.load_state_dict: a wrong shape (or a value that cannot be loaded) is an error even when not
+    # strict.
+    if shape_errors:
         parts.append(f"shape mismatches {shape_errors}")
+    if value_errors:
+        parts.append(f"unloadable values {value_errors}")
     if parts:
-        raise ValueError(f"state_dict does not fit HybridAttention(ratio={layer.compress_ratio}): "
-                         + "; ".join(parts))
+        raise ValueError(f"state_dict does not fit HybridAttention(ratio={layer.compress_ratio}), nothing was "
+                         f"loaded: " + "; ".join(parts))
     with torch.no_grad():
         for ext, value in state_dict.items():
             native = from_external.get(ext)

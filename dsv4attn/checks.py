@@ -1,9 +1,24 @@
 """Input checks with errors that name the argument and the expectation.
 
-Shape, dtype and device checks are free and always run. Value checks (``cu_seqlens`` monotonic and within the
-batch, ``max_seqlen`` large enough, no NaN/Inf in inputs) read device values, i.e. cost a device->host sync; they
-are on by default and can be switched off for CUDA graphs / the hot path with ``set_checks(False)`` or the
-environment variable ``DSV4ATTN_CHECKS=0``.
+Three kinds, by what they cost:
+
+- **Free checks** (types, ranks, shapes, dtypes, devices, host ints such as ``max_seqlen``): always on.
+- **Batch metadata** (``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] <= rows``, ``max_seqlen`` >= the
+  longest document): validated by :func:`dsv4attn.pack_batch` once per batch, **always** (:func:`check_batch`: one
+  host read of the small ``(N+1,)`` tensor, never switched off). Everything the library derives from a pack --
+  positions, windows, compressed layouts and capacities, index sets, top-k rows -- is then in range by construction,
+  so a layer given a prebuilt pack checks no value at all. Inside a ``torch.compile`` trace or a CUDA-graph capture
+  no value can be read: build the pack outside (it is once per batch) and pass ``pack=`` to the layers.
+- **Value scans** (NaN/Inf in activations and parameters; the range of indices a caller passes to an op): a debug
+  mode, **off by default**. ``set_checks("values")`` (or ``set_checks(True)``, or the environment variable
+  ``DSV4ATTN_CHECKS=values``) turns them on; each costs a full pass over a tensor and a device->host read.
+  ``set_checks("default")`` (``set_checks(False)``, ``DSV4ATTN_CHECKS=0``, or leaving the variable unset) is the
+  fast default. Scans are skipped while compiling or capturing (they would break the graph).
+
+Index safety does not depend on the mode: an index an op is given that is >= the number of key rows counts as an
+empty slot (like -1, and like every negative index already does) instead of being read, without a host read (one
+elementwise pass over a caller's index tensor; the library's own index sets carry a host bound and skip it). In
+``"values"`` mode such an index raises instead.
 """
 from __future__ import annotations
 
@@ -15,73 +30,134 @@ import torch
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-_enabled = os.environ.get("DSV4ATTN_CHECKS", "1") not in ("0", "false", "False", "off")
+MODES = ("default", "values")
+_ENV_MODES = {"": "default", "0": "default", "false": "default", "off": "default", "no": "default",
+              "default": "default", "1": "values", "true": "values", "on": "values", "yes": "values",
+              "values": "values"}
 
 
-def set_checks(enabled: bool) -> None:
-    """Turn value checks (those that need a device->host sync) on or off."""
-    global _enabled
-    _enabled = bool(enabled)
+def _mode_of(mode, name: str) -> str:
+    if mode is True or mode is False:          # the former on / off switch: True = the scans, False = the default
+        return "values" if mode else "default"
+    if isinstance(mode, str) and mode in MODES:
+        return mode
+    raise ValueError(f"{name} must be one of {list(MODES)} (or True = 'values', False = 'default'), got {mode!r}")
+
+
+def _mode_from_env() -> str:
+    raw = os.environ.get("DSV4ATTN_CHECKS", "")
+    mode = _ENV_MODES.get(raw.strip().lower())
+    if mode is None:
+        raise ValueError(f"environment variable DSV4ATTN_CHECKS must be 'values' (debug value scans; also 1, true, "
+                         f"on) or 'default' (also 0, false, off, or unset), got {raw!r}")
+    return mode
+
+
+_mode = _mode_from_env()
+
+
+def set_checks(mode) -> None:
+    """Pick the check mode: ``"default"`` (fast: free checks and the per-batch metadata validation only) or
+    ``"values"`` (debug: also NaN/Inf scans of activations and parameters and range checks of given indices, each a
+    device->host read). ``True`` means ``"values"`` and ``False`` means ``"default"``. Batch metadata is validated
+    in both modes."""
+    global _mode
+    _mode = _mode_of(mode, "set_checks mode")
+
+
+def checks_mode() -> str:
+    """The current mode, ``"default"`` or ``"values"``."""
+    return _mode
 
 
 def checks_enabled() -> bool:
-    return _enabled
+    """Whether the debug value scans are on (``"values"`` mode)."""
+    return _mode == "values"
 
 
-def values_readable() -> bool:
-    """Value checks on, and reading device values is allowed here: never inside a ``torch.compile`` trace or a
-    CUDA-graph capture (a device->host read would break the graph or the capture); every value check uses it."""
-    if not _enabled or torch.compiler.is_compiling():
+def reads_possible() -> bool:
+    """Whether a device value may be read on the host here: never inside a ``torch.compile`` trace or a CUDA-graph
+    capture (a device->host read would break the graph or the capture)."""
+    if torch.compiler.is_compiling():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+def values_readable() -> bool:
+    """Value scans on (``"values"`` mode) and reading device values possible here; every value scan uses it."""
+    return _mode == "values" and reads_possible()
+
+
 @contextmanager
-def checks(enabled: bool):
-    """Context manager form of :func:`set_checks`."""
-    global _enabled
-    before, _enabled = _enabled, bool(enabled)
+def checks(mode):
+    """Context manager form of :func:`set_checks` (the mode is restored on exit)."""
+    global _mode
+    before, _mode = _mode, _mode_of(mode, "checks mode")
     try:
         yield
     finally:
-        _enabled = before
+        _mode = before
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total_rows: int) -> None:
+# ------------------------------------------------------------------------------------------------ batch metadata
+def check_cu_seqlens(cu_seqlens: torch.Tensor) -> None:
+    """Type, dtype and rank of ``cu_seqlens`` (free)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor of dtype int32, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"cu_seqlens must have dtype torch.int32 (flash-attn convention), got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError(f"cu_seqlens must be 1-D of shape (N+1,), got shape {tuple(cu_seqlens.shape)}")
-    if not values_readable():
-        return
-    values = cu_seqlens.tolist()
-    if values[0] != 0:
-        raise ValueError(f"cu_seqlens[0] must be 0, got {values[0]}")
-    for b in range(len(values) - 1):
-        if values[b + 1] < values[b]:
-            raise ValueError(f"cu_seqlens must be non-decreasing, but cu_seqlens[{b + 1}]={values[b + 1]} < "
-                             f"cu_seqlens[{b}]={values[b]}")
-    if values[-1] > total_rows:
-        raise ValueError(f"cu_seqlens[-1]={values[-1]} exceeds the number of rows of the packed batch "
-                         f"({total_rows}); rows after cu_seqlens[-1] are padding, never the other way round")
 
 
-def check_max_seqlen(max_seqlen: int, cu_seqlens: torch.Tensor) -> None:
+def check_max_seqlen(max_seqlen: int) -> None:
+    """``max_seqlen`` is a host int >= 0 (free)."""
     if isinstance(max_seqlen, torch.Tensor) or isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
         raise TypeError(f"max_seqlen must be a host int (no device tensor, to avoid a sync), "
                         f"got {type(max_seqlen).__name__}")
     if max_seqlen < 0:
         raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
-    if not values_readable() or cu_seqlens.shape[0] < 2:
-        return
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+
+
+def check_batch(cu_seqlens: torch.Tensor, total_rows: int, max_seqlen: int | None) -> int:
+    """Validate a batch's metadata and return ``max_seqlen`` (the longest document when ``None``).
+
+    Always runs, whatever the mode: one host read of ``cu_seqlens`` (N+1 ints) checks ``cu_seqlens[0] == 0``,
+    non-decreasing boundaries, ``cu_seqlens[-1] <= total_rows`` and ``max_seqlen >= `` every document's length.
+    Where no value can be read (a ``torch.compile`` trace, a CUDA-graph capture) only the free checks run and
+    ``max_seqlen`` must be given.
+    """
+    check_cu_seqlens(cu_seqlens)
+    if max_seqlen is not None:
+        check_max_seqlen(max_seqlen)
+    if not reads_possible():
+        if max_seqlen is None:
+            raise ValueError("max_seqlen must be given (a host int) inside torch.compile or a CUDA-graph capture: "
+                             "computing it reads cu_seqlens on the host; better, build the pack outside with "
+                             "dsv4attn.pack_batch and pass pack=")
+        return max_seqlen
+    values = cu_seqlens.tolist()                     # the batch's one host read
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {values[0]}")
+    longest = 0
+    for b in range(len(values) - 1):
+        length = values[b + 1] - values[b]
+        if length < 0:
+            raise ValueError(f"cu_seqlens must be non-decreasing, but cu_seqlens[{b + 1}]={values[b + 1]} < "
+                             f"cu_seqlens[{b}]={values[b]}")
+        longest = max(longest, length)
+    if values[-1] > total_rows:
+        raise ValueError(f"cu_seqlens[-1]={values[-1]} exceeds the number of rows of the packed batch "
+                         f"({total_rows}); rows after cu_seqlens[-1] are padding, never the other way round")
+    if max_seqlen is None:
+        return longest
     if longest > max_seqlen:
         raise ValueError(f"max_seqlen={max_seqlen} is smaller than the longest document in cu_seqlens "
-                         f"({longest})")
+                         f"({longest}); it must be >= every document length")
+    return max_seqlen
 
 
+# ------------------------------------------------------------------------------------------------ tensors
 def check_tensor(name: str, t: torch.Tensor, *, dim: int | None = None, shape: tuple | None = None,
                  dtypes: tuple | None = None, device: torch.device | None = None) -> None:
     """Check rank, shape (None entries are free), dtype and device of one argument."""
@@ -100,23 +176,31 @@ def check_tensor(name: str, t: torch.Tensor, *, dim: int | None = None, shape: t
 
 
 def check_finite(name: str, t: torch.Tensor, allow_inf: bool = False) -> None:
-    """Raise if ``t`` holds NaN (or +-Inf unless ``allow_inf``); only when value checks are on."""
+    """Raise if ``t`` holds NaN (or +-Inf unless ``allow_inf``); only in ``"values"`` mode (a scan and a read)."""
     if not (t.is_floating_point() and values_readable()):
         return
     bad = torch.isnan(t).any() if allow_inf else ~torch.isfinite(t).all()
     if bool(bad):
         what = "NaN" if allow_inf else "NaN or Inf"
-        raise ValueError(f"{name} contains {what} (value checks are on; see dsv4attn.set_checks)")
+        raise ValueError(f"{name} contains {what}; it must be finite (found by the debug value checks, "
+                         f"dsv4attn.set_checks('values'))")
 
 
 def check_index_range(name: str, indices: torch.Tensor, rows: int) -> None:
-    """Indices must lie in [-1, rows); -1 marks an empty slot. One sync, only when value checks are on."""
+    """Indices must lie in [-1, rows); -1 marks an empty slot. Only in ``"values"`` mode: one fused min/max read."""
     if indices.numel() == 0 or not values_readable():
         return
-    lo, hi = int(indices.min()), int(indices.max())
+    lo, hi = torch.aminmax(indices)
+    lo, hi = torch.stack([lo, hi]).tolist()
     if lo < -1 or hi >= rows:
         raise ValueError(f"{name} must hold row numbers in [0, {rows}) or -1 for an empty slot, "
                          f"got values in [{lo}, {hi}]")
+
+
+def mask_out_of_range(indices: torch.Tensor, rows: int) -> torch.Tensor:
+    """``indices`` with every value >= ``rows`` set to -1 (an empty slot), without reading anything: what makes an
+    out-of-range index safe in every kernel (they skip negative indices and would read row ``rows`` and beyond)."""
+    return torch.where(indices < rows, indices, -1)
 
 
 def check_scale(softmax_scale, head_dim: int) -> float:

@@ -5,7 +5,7 @@ import platform
 
 import torch
 
-from . import __version__, backend
+from . import __version__, backend, checks
 
 OPS = ("sparse_attention", "compress_pool", "indexer_topk", "indexer_kl", "qnorm_rope", "rope_rotate", "inverse_rope")
 
@@ -26,6 +26,8 @@ def report() -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for op in OPS:
         lines.append(f"op {op:<17} -> {backend.choose(op, device)} on {device.type}")
+    lines.append(f"checks: {checks.checks_mode()!r} (batch metadata validated per batch; NaN/Inf scans "
+                 f"{'on' if checks.checks_enabled() else 'off: DSV4ATTN_CHECKS=values turns them on'})")
     if device.type == "cuda" and backend.choose("sparse_attention", device) == "triton":
         from .ops.sparse_attention import triton as sparse_triton
         q = torch.empty(1, 64, 512, device=device, dtype=torch.bfloat16)

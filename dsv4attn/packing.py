@@ -6,9 +6,11 @@ Everything position-dependent resets at each document start (spec ALGORITHM.md s
 the sliding window, compressor groups (a tail shorter than the ratio makes no entry), compressed visibility
 and top-k candidates.
 
-Nothing here needs a device->host sync when the caller passes ``max_seqlen`` and value checks are off
-(:func:`dsv4attn.checks.set_checks`); capacities of compressed buffers are host ints derived from ``T``,
-``N`` and ``max_seqlen``.
+:func:`pack_batch` validates the metadata (``cu_seqlens`` and ``max_seqlen``) once per batch, always, with one
+host read of ``cu_seqlens`` (:func:`dsv4attn.checks.check_batch`); nothing derived from a pack afterwards reads a
+device value. Capacities of compressed buffers are host ints derived from ``T``, ``N`` and ``max_seqlen``, and
+every row number a pack's tables hold lies in range by construction (the layers rely on it and check nothing
+more when given a prebuilt pack).
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class PackedBatch:
     row_is_real: torch.Tensor       # (T,) bool, False for capacity padding
     num_real_rows: torch.Tensor     # () int64 = cu_seqlens[-1], kept on device (no sync)
     _layouts: dict = field(default_factory=dict, repr=False, compare=False)
+    _compared: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_docs(self) -> int:
@@ -71,6 +74,25 @@ class PackedBatch:
             self._layouts[ratio] = _build_compressed_layout(self, ratio)
         return self._layouts[ratio]
 
+    def same_cu_seqlens(self, cu_seqlens: torch.Tensor) -> bool:
+        """Whether ``cu_seqlens`` holds this pack's document boundaries. The pack's own tensor (``pack.cu_seqlens``,
+        e.g. the one it was built from) is free; another tensor has its values compared once (one host read), and
+        the answer is remembered for that tensor object, so the layers of one step pay it at most once. Where no
+        value can be read (``torch.compile``, CUDA-graph capture) only the pack's own tensor is accepted."""
+        if cu_seqlens is self.cu_seqlens:
+            return True
+        seen = self._compared.get(id(cu_seqlens))
+        if seen is not None and seen[0] is cu_seqlens:       # the reference held keeps the id from being reused
+            return seen[1]
+        if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.shape != self.cu_seqlens.shape
+                or cu_seqlens.dtype != self.cu_seqlens.dtype or cu_seqlens.device != self.device):
+            return False
+        if not checks.reads_possible():
+            return False
+        same = bool(torch.equal(cu_seqlens, self.cu_seqlens))
+        self._compared[id(cu_seqlens)] = (cu_seqlens, same)
+        return same
+
     def window_start(self, window: int) -> torch.Tensor:
         """(T,) int64 first raw row a query sees: max(document start, row - window + 1)."""
         rows = torch.arange(self.total_rows, device=self.device)
@@ -79,25 +101,35 @@ class PackedBatch:
 
 def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int | None = None,
                device: torch.device | None = None) -> PackedBatch:
-    """Build the :class:`PackedBatch` of a ``total_rows``-row batch.
+    """Build the :class:`PackedBatch` of a ``total_rows``-row batch, validating its metadata first.
 
     Args:
         cu_seqlens: (N+1,) int32, ``cu_seqlens[0] == 0``, non-decreasing, ``cu_seqlens[-1] <= total_rows``.
             ``None`` means a single document of ``total_rows`` rows.
         total_rows: T, rows of the packed tensors (documents + capacity padding).
-        max_seqlen: host int >= the longest document. ``None`` computes it (one device->host sync).
-        device: where to build the single-document ``cu_seqlens`` when it is ``None``.
+        max_seqlen: host int >= the longest document. ``None`` computes it (from the same host read).
+        device: where to build the single-document ``cu_seqlens`` when it is ``None``; when both are given,
+            ``cu_seqlens`` must be on ``device``.
+
+    The validation always runs (it is not a debug check): one host read of ``cu_seqlens``
+    (:func:`dsv4attn.checks.check_batch`); a bad batch raises a ValueError naming the entry and the rule. Inside a
+    ``torch.compile`` trace or a CUDA-graph capture no value can be read, so build the pack before and pass it on.
     """
     if isinstance(total_rows, bool) or not isinstance(total_rows, int) or total_rows < 0:
         raise ValueError(f"total_rows must be an int >= 0, got {total_rows!r}")
-    if cu_seqlens is None:
-        cu_seqlens = torch.tensor([0, total_rows], dtype=torch.int32, device=device)
-        max_seqlen = total_rows if max_seqlen is None else max_seqlen
-    checks.check_cu_seqlens(cu_seqlens, total_rows)
-    if max_seqlen is None:
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        max_seqlen = int(lengths.max().item()) if lengths.numel() else 0
-    checks.check_max_seqlen(max_seqlen, cu_seqlens)
+    if cu_seqlens is None:                  # [0, T], valid by construction: built on the device, nothing to read
+        if max_seqlen is None:
+            max_seqlen = total_rows
+        checks.check_max_seqlen(max_seqlen)
+        if max_seqlen < total_rows:
+            raise ValueError(f"max_seqlen={max_seqlen} is smaller than the single document of {total_rows} rows "
+                             f"(cu_seqlens=None); it must be >= every document length")
+        cu_seqlens = torch.arange(2, dtype=torch.int32, device=device) * total_rows
+    else:
+        if (device is not None and isinstance(cu_seqlens, torch.Tensor)
+                and cu_seqlens.device != torch.device(device)):
+            raise ValueError(f"cu_seqlens must be on {device}, got {cu_seqlens.device}")
+        max_seqlen = checks.check_batch(cu_seqlens, total_rows, max_seqlen)
 
     cu = cu_seqlens.long()
     rows = torch.arange(total_rows, device=cu.device)

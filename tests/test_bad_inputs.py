@@ -1,5 +1,6 @@
 """Bad inputs to HybridAttention and to the functional ops raise an exception whose message names the argument
-(spec README decision 9, API.md); valid inputs raise nothing. Cross-device cu_seqlens is not testable on a CPU
+(spec README decision 9, API.md); valid inputs raise nothing. Most tests run in the debug mode ("values", set by
+the fixture below); those about what the default mode does say so. Cross-device cu_seqlens is not testable on a CPU
 machine and is left out."""
 from __future__ import annotations
 
@@ -22,13 +23,9 @@ MAX_SEQLEN = 20
 
 @pytest.fixture(autouse=True)
 def _restore_checks():
-    """Every test starts with value checks on and leaves them as it found them."""
-    before = checks_enabled()
-    dsv4attn.set_checks(True)
-    try:
+    """Every test starts in the debug mode ("values": NaN/Inf scans on) and leaves the mode as it found it."""
+    with dsv4attn.checks.checks("values"):
         yield
-    finally:
-        dsv4attn.set_checks(before)
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +168,110 @@ def test_checks_context_manager_restores():
     with checks(False):
         assert not checks_enabled()
     assert checks_enabled()
+    with checks("default"):
+        with checks("values"):
+            assert checks_enabled()
+        assert not checks_enabled()
+
+
+# --------------------------------------------- batch metadata: validated in every mode, where the pack is built
+METADATA_CASES = [case for case in LAYER_CASES if case.startswith(("cu_seqlens", "max_seqlen"))]
+
+
+@pytest.mark.parametrize("case", METADATA_CASES)
+def test_batch_metadata_is_validated_in_the_default_mode(layers, case):
+    """Not a debug check: a decreasing cu_seqlens or a too-small max_seqlen raises with the scans off too."""
+    dsv4attn.set_checks("default")
+    overrides, exc, pattern = LAYER_CASES[case]
+    kwargs = _resolve(overrides)
+    x = kwargs.pop("hidden_states")
+    with pytest.raises(exc, match=pattern):
+        layers[4](x, **kwargs)
+
+
+@pytest.mark.parametrize("cu, rows, max_seqlen, pattern", [
+    ([0, 20, 10], T, 20, re.escape("cu_seqlens must be non-decreasing, but cu_seqlens[2]=10 < cu_seqlens[1]=20")),
+    ([3, 20], T, 20, re.escape("cu_seqlens[0] must be 0, got 3")),
+    ([0, 20, 41], T, 21, re.escape("cu_seqlens[-1]=41 exceeds the number of rows of the packed batch (40)")),
+    ([0, 20, 37], T, 16, re.escape("max_seqlen=16 is smaller than the longest document in cu_seqlens (20); it "
+                                   "must be >= every document length")),
+    (None, T, 39, re.escape("max_seqlen=39 is smaller than the single document of 40 rows (cu_seqlens=None)")),
+], ids=["decreasing", "first_not_zero", "past_the_rows", "max_seqlen_too_small", "single_doc_max_seqlen"])
+def test_pack_batch_names_the_broken_rule(cu, rows, max_seqlen, pattern):
+    dsv4attn.set_checks("default")
+    with pytest.raises(ValueError, match=pattern):
+        pack_batch(None if cu is None else _cu(cu), rows, max_seqlen)
+
+
+def test_pack_batch_cu_seqlens_on_another_device():
+    with pytest.raises(ValueError, match=r"cu_seqlens must be on meta, got cpu"):
+        pack_batch(_cu(), T, MAX_SEQLEN, device=torch.device("meta"))
+
+
+# ------------------------------------------------------------------------- the layer's surface: pack, CP arguments
+def test_pack_and_cu_seqlens_must_agree(layers):
+    pack = pack_batch(_cu(), T, MAX_SEQLEN)
+    want = layers[4](_x(), pack=pack)
+    for same in (pack.cu_seqlens, _cu()):                   # the pack's own tensor, or equal values: fine
+        torch.testing.assert_close(layers[4](_x(), pack=pack, cu_seqlens=same), want, rtol=0, atol=0)
+    for other in (_cu([0, 10, 37]), _cu([0, 37]), _cu(dtype=torch.int64)):
+        with pytest.raises(ValueError, match=r"cu_seqlens and pack disagree: cu_seqlens must be the pack's own "
+                                             r"boundaries \(pack\.cu_seqlens, or a tensor of equal values\)"):
+            layers[4](_x(), pack=pack, cu_seqlens=other)
+
+
+def test_pack_and_max_seqlen_must_agree(layers):
+    pack = pack_batch(_cu(), T, MAX_SEQLEN)
+    layers[0](_x(), pack=pack, max_seqlen=MAX_SEQLEN)
+    with pytest.raises(ValueError, match=r"max_seqlen=30 and pack disagree: the pack was built with max_seqlen=20"):
+        layers[0](_x(), pack=pack, max_seqlen=30)
+
+
+def test_pack_must_be_a_packed_batch(layers):
+    with pytest.raises(TypeError, match=r"pack must be a PackedBatch from dsv4attn.pack_batch, got dict"):
+        layers[0](_x(), pack={"cu_seqlens": _cu()})
+
+
+@pytest.mark.parametrize("partition", ["contiguous", "head_tail"])
+@pytest.mark.parametrize("ratio", [0, 4, 128], ids=["window", "csa", "hca"])
+def test_cp_partition_needs_cp_group(layers, ratio, partition):
+    with pytest.raises(ValueError, match=rf"cp_partition='{partition}' needs cp_group"):
+        layers[ratio](_x(), cu_seqlens=_cu(), max_seqlen=MAX_SEQLEN, cp_partition=partition)
+
+
+@pytest.mark.parametrize("name", ["q_b_proj.weight", "sinks", "indexer.weights_proj.weight",
+                                  "compressor.position_bias"])
+def test_non_finite_parameter_is_named_in_values_mode(cfg, name):
+    torch.manual_seed(0)
+    layer = HybridAttention(cfg, 4).eval()
+    with torch.no_grad():
+        layer.get_parameter(name).view(-1)[0] = float("inf")
+    dsv4attn.set_checks("values")
+    with pytest.raises(ValueError, match=rf"parameter {re.escape(name)} contains NaN or Inf; it must be finite"):
+        layer(_x(), cu_seqlens=_cu(), max_seqlen=MAX_SEQLEN)
+    dsv4attn.set_checks("default")                          # the default mode does not look
+    layer(_x(), cu_seqlens=_cu(), max_seqlen=MAX_SEQLEN)
+
+
+@pytest.mark.parametrize("failure", ["bad_cu_seqlens", "nan_input", "bad_phase", "cp_partition"])
+def test_failed_forward_leaves_indexer_loss_none(cfg, failure):
+    torch.manual_seed(0)
+    layer = HybridAttention(cfg, 4).train()
+    layer(_x(), cu_seqlens=_cu(), max_seqlen=MAX_SEQLEN, phase="warmup")
+    assert layer.indexer_loss is not None
+    kwargs = dict(cu_seqlens=_cu(), max_seqlen=MAX_SEQLEN, phase="warmup")
+    x = _x()
+    if failure == "bad_cu_seqlens":
+        kwargs["cu_seqlens"] = _cu([0, 20, 10])
+    elif failure == "nan_input":
+        x = _nan_x()
+    elif failure == "bad_phase":
+        kwargs["phase"] = "sparce"
+    else:
+        kwargs["cp_partition"] = "head_tail"
+    with pytest.raises(ValueError):
+        layer(x, **kwargs)
+    assert layer.indexer_loss is None
 
 
 # ------------------------------------------------------------------------------------- sanity: valid inputs
@@ -449,3 +550,47 @@ def test_indexer_kl_valid():
     assert kl.shape == (OP_T,)
     assert torch.isfinite(kl).all()
     assert (kl[:3] == 0).all()                # empty candidate sets contribute 0
+
+
+# ------------------------------------------------------------- index safety: out-of-range indices are never read
+def _masked_indices(indices, rows):
+    return torch.where((indices >= 0) & (indices < rows), indices, -1)
+
+
+@pytest.mark.parametrize("as_index_set", [False, True], ids=["tensor", "index_set"])
+def test_out_of_range_indices_are_empty_slots_by_default(as_index_set):
+    from dsv4attn.ops import Explicit
+    dsv4attn.set_checks("default")
+    args = _sa_args()
+    bad = args["indices"].clone()
+    bad[0, 2], bad[3, 0], bad[4, 1] = SA_N, 10 ** 6, -5          # past the end, far past it, below -1
+    want = sparse_attention(**dict(args, indices=_masked_indices(bad, SA_N)))
+    got = sparse_attention(**dict(args, indices=Explicit(bad) if as_index_set else bad))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_out_of_range_indices_raise_in_values_mode():
+    args = _sa_args()
+    args["indices"] = args["indices"].clone()
+    args["indices"][1, 1] = SA_N + 3
+    with pytest.raises(ValueError, match=r"indices must hold row numbers in \[0, 10\) or -1 for an empty slot, "
+                                         r"got values in \[-1, 13\]"):
+        sparse_attention(**args)
+
+
+def test_empty_kv_is_safe():
+    """No key row at all: every index is out of range; by default each is an empty slot (no kernel reads kv)."""
+    dsv4attn.set_checks("default")
+    args = _sa_args()
+    out, lse = sparse_attention(**dict(args, kv=args["kv"][:0]))
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_out_of_range_candidates_are_empty_slots_by_default():
+    dsv4attn.set_checks("default")
+    args = _kl_args()
+    bad = args["candidates"].clone()
+    bad[8, 1] = args["index_k"].shape[0] + 4
+    want = indexer_kl(**dict(args, candidates=_masked_indices(bad, args["index_k"].shape[0])))
+    torch.testing.assert_close(indexer_kl(**dict(args, candidates=bad)), want, rtol=0, atol=0)

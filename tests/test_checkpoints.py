@@ -1,5 +1,6 @@
 """Checkpoint loading (spec README decisions 11 and 12): Hugging Face ``DeepseekV4Attention`` names and DeepSeek's
-released names load every tensor; missing / unexpected keys and shape mismatches are reported by name; fp32
+released names load every tensor; missing / unexpected keys, shape mismatches and unloadable values (not a tensor, not
+floating point, on the meta device) are reported by name, all before anything is copied; fp32
 parameters (sinks, compressor positional biases) stay fp32 and keep their values under a bf16 cast."""
 from __future__ import annotations
 
@@ -261,6 +262,62 @@ def test_non_strict_shape_mismatch_is_not_silent(cfg, hf_state_dicts):
     layer = _fresh(cfg, 0)
     with pytest.raises(ValueError, match=r"shape.*q_b_proj\.weight"):
         layer.load_hf_state_dict(sd, strict=False)
+
+
+# A bad value at the *last* key of the state dict: a loader that copied as it checked would have loaded every
+# other tensor before refusing. id -> (bad value from the good one, exception, message pattern after the key)
+BAD_VALUES = {
+    "int64": (lambda v: v.to(torch.int64), ValueError, r"expected a floating-point dtype .* got torch\.int64"),
+    "bool": (lambda v: v > 0, ValueError, r"expected a floating-point dtype .* got torch\.bool"),
+    "float8": (lambda v: v.to(torch.float8_e4m3fn), ValueError,
+               r"expected a floating-point dtype .* got torch\.float8_e4m3fn "
+               r"\(quantised weights: dequantise them with their scales first\)"),
+    "list": (lambda v: v.tolist(), ValueError, r"expected a torch\.Tensor of shape \(.*\), got list"),
+    "meta": (lambda v: torch.empty(v.shape, device="meta"), ValueError,
+             r"expected a tensor with values, got one on the meta device"),
+    "shape": (lambda v: v[..., :-1].clone() if v.dim() > 1 else v[:-1].clone(), ValueError,
+              r"expected \(4, 128\), got \(4, 127\)"),
+}
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non_strict"])
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_refused_load_changes_nothing(cfg, hf_state_dicts, case, strict):
+    make, exc, pattern = BAD_VALUES[case]
+    layer = _fresh(cfg, 4)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    sd = dict(hf_state_dicts[4])
+    key = list(sd)[-1]
+    sd[key] = make(sd[key])
+    with pytest.raises(exc, match=rf"nothing was loaded.*{re.escape(key)}: {pattern}") as info:
+        layer.load_hf_state_dict(sd, strict=strict)
+    assert "state_dict does not fit HybridAttention(ratio=4)" in str(info.value)
+    after = layer.state_dict()
+    for name, value in before.items():
+        assert torch.equal(after[name], value), f"{name} changed by a refused load"
+
+
+def test_every_bad_key_is_named_at_once(cfg, hf_state_dicts):
+    sd = dict(hf_state_dicts[0])
+    sd["sinks"] = sd["sinks"].to(torch.int32)
+    sd["q_b_proj.weight"] = sd["q_b_proj.weight"][:-1]
+    del sd["kv_norm.weight"]
+    with pytest.raises(ValueError) as info:
+        _fresh(cfg, 0).load_hf_state_dict(sd)
+    message = str(info.value)
+    assert "missing keys ['kv_norm.weight']" in message
+    assert "q_b_proj.weight: expected (256, 64), got (255, 64)" in message
+    assert "sinks: expected a floating-point dtype" in message
+
+
+@pytest.mark.parametrize("bad, exc, pattern", [
+    ([("sinks", torch.zeros(4))], TypeError, r"state_dict must be a mapping .* got list"),
+    ({}, TypeError, r"strict must be a bool, got str"),
+], ids=["state_dict_list", "strict_str"])
+def test_load_argument_types(cfg, bad, exc, pattern):
+    kwargs = {"strict": "yes"} if isinstance(bad, dict) else {}
+    with pytest.raises(exc, match=pattern):
+        _fresh(cfg, 0).load_hf_state_dict(bad, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------- precision

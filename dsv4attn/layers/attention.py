@@ -30,8 +30,15 @@ class HybridAttention(KeepFp32Params):
 
     In training (``self.training`` and grad enabled) ratio-4 layers attach the indexer KL loss to the attention
     output so that ``loss.backward()`` trains the indexer; ``self.indexer_loss`` holds its detached value
-    (``coeff * sum KL / real rows``; in the ``dense`` phase a zero that gives the indexer exact-zero gradients).
+    (``coeff * sum KL / real rows``; in the ``dense`` phase a zero that gives the indexer exact-zero gradients);
+    it is None after a forward that raised, and after any forward of a layer that has no indexer loss.
     Capacity-padding rows (past ``cu_seqlens[-1]``) output 0 and get zero gradient.
+
+    Checks (:mod:`dsv4attn.checks`): arguments are checked for type, shape, dtype and device on every call; the
+    batch metadata once per batch where the pack is built (inside the call when ``cu_seqlens`` is passed, in
+    :func:`dsv4attn.pack_batch` when ``pack`` is); with a prebuilt pack and the default mode a forward reads no
+    device value. ``dsv4attn.set_checks("values")`` adds NaN/Inf scans of the inputs, of every intermediate an op
+    receives and of the layer's parameters (naming the first non-finite one).
     """
 
     _fp32_params = ("sinks",)
@@ -71,29 +78,45 @@ class HybridAttention(KeepFp32Params):
     def load_hf_state_dict(self, state_dict, strict: bool = True):
         """Load Hugging Face ``DeepseekV4Attention`` names or DeepSeek's released names (decision 12).
 
-        Returns ``(missing, unexpected)`` key lists; with ``strict`` they raise a ValueError naming them.
+        Every key, shape and dtype (a floating-point tensor; its values are cast to the parameter's dtype) is
+        checked before anything is copied: a refused state dict leaves the layer unchanged. Returns
+        ``(missing, unexpected)`` key lists; with ``strict`` they raise a ValueError naming them.
         """
         return load_attention_state_dict(self, state_dict, strict=strict)
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 max_seqlen: int | None = None, phase: str = "sparse", cp_group=None,
-                pack: PackedBatch | None = None, cp_partition: str = "contiguous") -> torch.Tensor:
+                pack: PackedBatch | None = None, cp_partition: str | None = None) -> torch.Tensor:
         """Args:
             hidden_states: (T, hidden_size) packed rows (documents back to back, then capacity padding); under
                 context parallelism this rank's rows (``dsv4attn.parallel.shard(x, group, cp_partition)``).
-            cu_seqlens: (N+1,) int32 document boundaries of the *global* batch; ``None`` = one document.
-            max_seqlen: host int >= the longest document (``None`` computes it: one device->host sync).
+            cu_seqlens: (N+1,) int32 document boundaries of the *global* batch; ``None`` = one document (or the
+                pack's). Validated here (one host read of its N+1 values) unless ``pack`` is given.
+            max_seqlen: host int >= the longest document (``None`` computes it from the same read).
             phase: ``"dense"`` | ``"warmup"`` | ``"sparse"`` (decision 8; only ratio-4 layers behave differently).
             cp_group: a torch.distributed process group for context parallelism (decision 10), or None.
-            pack: a prebuilt :func:`dsv4attn.packing.pack_batch` of the global batch, shared by all layers.
-            cp_partition: which rows each rank holds, ``"contiguous"`` or ``"head_tail"``
-                (:mod:`dsv4attn.parallel.partition`); the same on every rank and in ``shard``/``unshard``.
+            pack: a prebuilt :func:`dsv4attn.packing.pack_batch` of the global batch, shared by all layers (built
+                and validated once per batch; the layer then reads nothing). ``cu_seqlens`` / ``max_seqlen`` may
+                be passed too if they are the pack's: ``pack.cu_seqlens`` itself is free, another tensor with
+                the same values costs one host read on first use (remembered by the pack), anything else raises.
+            cp_partition: which rows each rank holds, ``"contiguous"`` (the default under CP) or ``"head_tail"``
+                (:mod:`dsv4attn.parallel.partition`); the same on every rank and in ``shard``/``unshard``. Only with
+                ``cp_group``.
         Returns (T, hidden_size): this call's rows.
         """
+        self.indexer_loss = None                     # a forward that raises leaves no stale value behind
         phase = check_phase(phase)
         x = hidden_states
         self._check_input(x, cu_seqlens)
+        if cp_partition is not None and cp_group is None:
+            raise ValueError(f"cp_partition={cp_partition!r} needs cp_group (it says how context-parallel ranks "
+                             f"split the rows); without cp_group the layer computes the whole batch, so leave "
+                             f"cp_partition out")
+        if pack is not None:
+            self._check_pack(pack, cu_seqlens, max_seqlen, x.device)
+        if checks.values_readable():
+            self._check_parameters()
         if cp_group is None:
             if pack is None:
                 pack = pack_batch(cu_seqlens, x.shape[0], max_seqlen, device=x.device)
@@ -102,7 +125,7 @@ class HybridAttention(KeepFp32Params):
             frame, x_keys = single_device_frame(pack), x
         else:
             frame, x_keys = context_parallel_frame(x, cu_seqlens, max_seqlen, cp_group, self.halo_rows, pack,
-                                                   cp_partition)
+                                                   cp_partition or "contiguous")
         return self._forward_frame(x, x_keys, frame, phase)
 
     @property
@@ -127,7 +150,8 @@ class HybridAttention(KeepFp32Params):
             compressed = frame.gather(self.compressor(x_keys, owned, inv_freq))
             keys = torch.cat([kv, compressed.to(kv.dtype)], dim=0)
             visible = frame.local_compressed(VisibleCompressed(pack.compressed(self.compress_ratio),
-                                                               pack.total_rows), lowering)   # compressed rows
+                                                               pack.total_rows), lowering,
+                                             table_rows=compressed.shape[0])                 # compressed rows
             if self.indexer is None or phase == "dense":
                 index_set = Concat(window, Rows(visible, 0, T, shift=n_keys))
 
@@ -142,7 +166,8 @@ class HybridAttention(KeepFp32Params):
                                                          inv_freq)
                 index_k = frame.gather(index_k)
                 topk = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), visible, c.index_topk)
-                index_set = Concat(window, Explicit(topk, offset=n_keys))
+                # Top-k rows are rows of index_k by construction: that bound lets the ops skip any range work.
+                index_set = Concat(window, Explicit(topk, offset=n_keys, bound=index_k.shape[0]))
                 if train_indexer and phase == "warmup":      # teacher over every visible entry
                     loss = self._indexer_loss(q, kv, compressed, window, index_q, index_k, index_w, visible, pack)
 
@@ -152,13 +177,14 @@ class HybridAttention(KeepFp32Params):
             # logaddexp(lse, sink) normalises the teacher (no second attention over the window, logits formed once).
             full_lse = torch.logaddexp(lse.detach(), self.sinks.detach().to(lse.dtype))
             loss = self._indexer_loss(q, kv, compressed.to(kv.dtype), window, index_q, index_k, index_w,
-                                      Explicit(topk), pack, full_lse=full_lse)
-        self.indexer_loss = None if loss is None else loss.detach()
+                                      Explicit(topk, bound=index_k.shape[0]), pack, full_lse=full_lse)
         if loss is not None:
             out = AttachLoss.apply(out, loss)
         out = inverse_rope(out, pos_q, inv_freq)   # out of place: never a view of `out` (9.1)
         grouped = self.o_a_proj(out.reshape(T, c.o_groups, H * D // c.o_groups))
-        return self.o_b_proj(grouped.reshape(T, c.o_groups * c.o_lora_rank))
+        y = self.o_b_proj(grouped.reshape(T, c.o_groups * c.o_lora_rank))
+        self.indexer_loss = None if loss is None else loss.detach()      # only once the whole forward succeeded
+        return y
 
     def _rope_table(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq_on:
@@ -218,3 +244,23 @@ class HybridAttention(KeepFp32Params):
         if cu_seqlens is not None:
             checks.check_tensor("cu_seqlens", cu_seqlens, device=x.device)
         checks.check_finite("hidden_states", x)
+
+    def _check_pack(self, pack, cu_seqlens, max_seqlen, device) -> None:
+        """A prebuilt pack: its type and device, and agreement with ``cu_seqlens`` / ``max_seqlen`` if those are
+        given too (free unless ``cu_seqlens`` is another tensor than ``pack.cu_seqlens``: one read, once)."""
+        if not isinstance(pack, PackedBatch):
+            raise TypeError(f"pack must be a PackedBatch from dsv4attn.pack_batch, got {type(pack).__name__}")
+        if pack.device != device:
+            raise ValueError(f"pack must be on {device} (the device of hidden_states), got {pack.device}")
+        if cu_seqlens is not None and not pack.same_cu_seqlens(cu_seqlens):
+            raise ValueError("cu_seqlens and pack disagree: cu_seqlens must be the pack's own boundaries "
+                             "(pack.cu_seqlens, or a tensor of equal values); pass only pack, or only cu_seqlens "
+                             "and max_seqlen")
+        if max_seqlen is not None and max_seqlen != pack.max_seqlen:
+            raise ValueError(f"max_seqlen={max_seqlen!r} and pack disagree: the pack was built with max_seqlen="
+                             f"{pack.max_seqlen}; pass only pack, or the same value")
+
+    def _check_parameters(self) -> None:
+        """Debug mode ("values"): every parameter finite, else a ValueError naming the first one that is not."""
+        for name, p in self.named_parameters():
+            checks.check_finite(f"parameter {name}", p)

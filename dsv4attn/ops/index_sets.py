@@ -9,6 +9,10 @@ raw window rows followed by compressed rows at an offset) and :class:`Stack` (co
 - :class:`Window`: raw rows ``max(doc start, t - window + 1) .. t`` (decision 3: both ends inclusive).
 - :class:`VisibleCompressed`: every compressed entry of the row's document with ``j < floor((t+1)/r)``
   (decision 4), i.e. HCA and the dense CSA phase; width ``max_seqlen // r`` but built one chunk at a time.
+
+Every set has a host-int ``bound``: each valid row it yields is ``< bound`` (``None``: not known on the host, e.g.
+an :class:`Explicit` tensor of a caller). The ops use it to skip any range work for sets that provably fit their
+key tensor, and mask the others (:func:`within`): an index past the key rows never reaches a kernel.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from ..packing import CompressedLayout, PackedBatch
 class IndexSet(ABC):
     width: int
     total_rows: int
+    bound: int | None = None        # host int > every valid row the set yields; None = unknown
 
     @abstractmethod
     def rows(self, start: int, end: int) -> torch.Tensor:
@@ -33,9 +38,13 @@ class IndexSet(ABC):
 
 
 class Explicit(IndexSet):
-    def __init__(self, indices: torch.Tensor, offset: int = 0):
+    """``indices`` (T, K), valid entries shifted by ``offset``; ``bound``: a host int > every valid entry of
+    ``indices`` when the caller knows one (e.g. the rows of the table top-k indices were chosen from)."""
+
+    def __init__(self, indices: torch.Tensor, offset: int = 0, bound: int | None = None):
         self.indices, self.offset = indices, offset
         self.total_rows, self.width = indices.shape
+        self.bound = None if bound is None else bound + offset
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         idx = self.indices[start:end].long()
@@ -45,6 +54,7 @@ class Explicit(IndexSet):
 class Window(IndexSet):
     def __init__(self, pack: PackedBatch, window: int):
         self.pack, self.width, self.total_rows = pack, window, pack.total_rows
+        self.bound = pack.total_rows
         self._start = pack.window_start(window)
 
     def rows(self, start: int, end: int) -> torch.Tensor:
@@ -58,6 +68,7 @@ class VisibleCompressed(IndexSet):
     def __init__(self, layout: CompressedLayout, total_rows: int, offset: int = 0):
         self.layout, self.offset, self.total_rows = layout, offset, total_rows
         self.width = layout.max_per_doc
+        self.bound = layout.capacity + offset          # real entries only, all below the capacity
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         lay = self.layout
@@ -70,12 +81,16 @@ class VisibleCompressed(IndexSet):
 class Rows(IndexSet):
     """``base`` seen from query rows ``row_offset .. row_offset + total_rows``, valid entries mapped through
     ``table`` (if given) and shifted by ``shift``: how a context-parallel rank addresses its local key rows and
-    the gathered compressed rows with the global batch's index sets."""
+    the gathered compressed rows with the global batch's index sets. ``bound``: what the caller knows of the
+    mapped rows (before the shift), e.g. the rows ``table`` maps into; default ``base.bound`` without a table."""
 
     def __init__(self, base: IndexSet, row_offset: int, total_rows: int, shift: int = 0,
-                 table: torch.Tensor | None = None):
+                 table: torch.Tensor | None = None, bound: int | None = None):
         self.base, self.row_offset, self.total_rows = base, row_offset, total_rows
         self.shift, self.table, self.width = shift, table, base.width
+        if bound is None and table is None:
+            bound = base.bound
+        self.bound = None if bound is None else bound + shift
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         idx = self.base.rows(start + self.row_offset, end + self.row_offset)
@@ -89,6 +104,7 @@ class Concat(IndexSet):
         self.parts = parts
         self.total_rows = parts[0].total_rows
         self.width = sum(p.width for p in parts)
+        self.bound = _largest_bound(parts)
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         return torch.cat([p.rows(start, end) for p in self.parts], dim=1)
@@ -102,6 +118,7 @@ class Stack(IndexSet):
         self.parts = parts
         self.total_rows = sum(p.total_rows for p in parts)
         self.width = max(p.width for p in parts)
+        self.bound = _largest_bound(parts)
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         pieces, offset = [], 0
@@ -112,6 +129,35 @@ class Stack(IndexSet):
                 pieces.append(torch.nn.functional.pad(idx, (0, self.width - idx.shape[1]), value=-1))
             offset += part.total_rows
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _largest_bound(parts) -> int | None:
+    bounds = [p.bound for p in parts]
+    return None if any(b is None for b in bounds) else max(bounds, default=0)
+
+
+class _Masked(IndexSet):
+    """``base`` with every row >= ``rows`` set to -1 (see :func:`within`)."""
+
+    def __init__(self, base: IndexSet, rows: int):
+        self.base, self.width, self.total_rows, self.bound = base, base.width, base.total_rows, rows
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        idx = self.base.rows(start, end)
+        return torch.where(idx < self.bound, idx, -1)
+
+
+def within(index_set: IndexSet, rows: int) -> IndexSet:
+    """``index_set`` where its ``bound`` proves every row < ``rows`` (free: the library's own sets); otherwise the
+    same set with rows >= ``rows`` turned into empty slots (-1), one elementwise pass per materialised chunk and no
+    host read. Negative entries are empty slots already. An :class:`Explicit` stays an :class:`Explicit`."""
+    if index_set.bound is not None and index_set.bound <= rows:
+        return index_set
+    if isinstance(index_set, Explicit):
+        limit = rows - index_set.offset
+        return Explicit(torch.where(index_set.indices < limit, index_set.indices, -1), index_set.offset,
+                        bound=max(limit, 0))
+    return _Masked(index_set, rows)
 
 
 def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ops.index_sets import IndexSet, Rows, Stack
+from ..ops.index_sets import IndexSet, Rows, Stack, Window
 from ..packing import CompressedLayout, PackedBatch
 from . import comm
 from . import partition as partition_
@@ -66,14 +66,19 @@ class RowFrame:
 
     def local_keys(self, base: IndexSet) -> IndexSet:
         """``base`` (an index set of global query rows -> global raw rows) for the local queries, addressing
-        the local raw key rows."""
-        return self._stack([Rows(base, s.start, s.end - s.start, shift=s.key_offset - s.key_start)
-                            for s in self.segments])
+        the local raw key rows. A :class:`Window` names rows at or before its query, so a segment's local rows
+        stay below the segment's own last key row (the result's ``bound`` is then the local key count)."""
+        ends = isinstance(base, Window)
+        return self._stack([Rows(base, s.start, s.end - s.start, shift=s.key_offset - s.key_start,
+                                 bound=s.end if ends else None) for s in self.segments])
 
-    def local_compressed(self, base: IndexSet, table: torch.Tensor | None) -> IndexSet:
+    def local_compressed(self, base: IndexSet, table: torch.Tensor | None,
+                         table_rows: int | None = None) -> IndexSet:
         """``base`` (global query rows -> global compressed entries) for the local queries, entries mapped
-        through ``table`` (global entry -> gathered row; None on one device)."""
-        return self._stack([Rows(base, s.start, s.end - s.start, table=table) for s in self.segments])
+        through ``table`` (global entry -> gathered row; None on one device); ``table_rows``: the gathered rows
+        the table maps into (the result's ``bound``)."""
+        return self._stack([Rows(base, s.start, s.end - s.start, table=table, bound=table_rows)
+                            for s in self.segments])
 
     @staticmethod
     def _stack(parts):

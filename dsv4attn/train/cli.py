@@ -2,7 +2,8 @@
 
 Every flag maps to the TrainConfig field of the same name (dashes for underscores); defaults come from the
 dataclass, so the two never disagree. Errors in options, data or resume compatibility exit with status 2 and one
-line naming the option, before anything is written.
+line naming the option, before anything is written. A run that stops on a non-finite loss or gradient norm exits
+with status 1 and one line naming the step, the quantity and the checkpoint it left as ``latest``.
 """
 from __future__ import annotations
 
@@ -80,11 +81,14 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .loop import train
+    from .loop import NonFiniteStep, train
     try:
         cfg = parse_args(argv)
         train(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteStep as e:                   # the run diverged: stopped, its last good checkpoint kept
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -43,7 +43,7 @@ def probe_indexer(layer: HybridAttention, x: torch.Tensor, pack, phase: str) -> 
     visible = VisibleCompressed(layout, T)
     teacher = _teacher_topk(q, compressed, outside_lse, visible, student.shape[1], c.softmax_scale)
 
-    candidates = Explicit(student) if phase == "sparse" else visible
+    candidates = Explicit(student, bound=index_k.shape[0]) if phase == "sparse" else visible
     kl = indexer_kl(index_q, index_k, index_w, q, compressed, candidates, outside_lse, c.softmax_scale)
 
     hard = layout.row_visible > k                                                    # rows where selection matters

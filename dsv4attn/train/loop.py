@@ -9,10 +9,16 @@ functions of s), so ``--resume`` reproduces a straight run bit for bit on the sa
 Parallelism (:mod:`dsv4attn.train.distributed`): ``world = dp x cp`` processes; the ``cp`` ranks of a replica
 split its batch's rows (context parallelism), replicas average their gradients (DDP). Metrics are those of
 replica 0's batch, whatever ``cp`` is: a ``--cp 2`` run logs the numbers of the ``--cp 1`` run (up to rounding).
+
+Every step reads its numbers once (loss, indexer loss, gradient norm: one host read) and checks that they are
+finite *before* the optimizer step; if one is not, the run stops with :class:`NonFiniteStep` naming the step and the
+first non-finite quantity, on every rank at the same step. Nothing of that step is applied or saved, so the newest
+checkpoint (``latest``) is the last good state.
 """
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from contextlib import nullcontext
@@ -22,7 +28,6 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .. import checks
 from . import checkpoint as ckpt_io
 from . import distributed
 from .config import TrainConfig, resume_mismatches
@@ -32,6 +37,11 @@ from .model import DecoderLM, lm_loss, model_config
 from .report import plot_curves, summary_text
 
 RUN_FILES = ("metrics.jsonl", "curves.png", "summary.txt", "summary.json", "config.json", "checkpoints")
+STEP_QUANTITIES = ("loss", "indexer_loss", "grad_norm")      # checked in this order; the first non-finite is named
+
+
+class NonFiniteStep(RuntimeError):
+    """A training step produced a non-finite loss or gradient norm; the run stopped before applying it."""
 
 
 class Run:
@@ -117,16 +127,39 @@ def loss_and_grads(step_model, model: DecoderLM, batch, phase: str, cp_group=Non
     return totals[0], (None if idx_loss is None else totals[1])
 
 
-def _train_step(step_model, model: DecoderLM, optimizer, batch, phase: str, cfg: TrainConfig, cp_group, autocast):
-    """One optimizer step; returns (LM loss, summed indexer loss or None) as floats."""
+def _train_step(step_model, model: DecoderLM, optimizer, batch, phase: str, cfg: TrainConfig, cp_group, autocast,
+                step: int = 0, dp_group=None, dp: int = 1):
+    """One optimizer step; returns (LM loss, summed indexer loss or None) as floats.
+
+    The loss, indexer loss and gradient norm come to the host in one read and must be finite before the optimizer
+    step; otherwise :class:`NonFiniteStep` is raised (step ``step + 1``), with the parameters and optimizer state
+    untouched. Under data parallelism the replicas first agree (one all-reduce of three flags over ``dp_group``),
+    so every rank stops at the same step."""
     loss, idx_loss = loss_and_grads(step_model, model, batch, phase, cp_group=cp_group,
                                     cp_partition=cfg.cp_partition, autocast=autocast)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     if cfg.grad_clip > 0:                        # after every reduction: the same norm on every rank
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else loss.new_zeros(())
+    zero = loss.detach().new_zeros(())
+    numbers = torch.stack([loss.detach(), zero if idx_loss is None else idx_loss.to(loss.dtype),
+                           grad_norm.to(loss.dtype)])
+    flags = (~torch.isfinite(numbers)).to(loss.dtype)
+    if dp > 1:                                   # replicas saw other batches: agree before anyone stops
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=dp_group)
+    values = torch.cat([numbers, flags]).tolist()      # the step's one host read
+    for i, name in enumerate(STEP_QUANTITIES):
+        if values[3 + i]:
+            here = values[i]
+            where = (f"is {here}" if not math.isfinite(here)
+                     else f"is not finite on another data-parallel replica (here {here})")
+            raise NonFiniteStep(f"step {step + 1} ({phase} phase): the {name} {where}; training stopped before the "
+                                f"optimizer step, so nothing of this step was applied or saved")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     # The dense phase's indexer loss is a zero placeholder (indexer idle): log it as absent.
-    return float(loss), None if idx_loss is None or phase == "dense" else float(idx_loss)
+    return values[0], None if idx_loss is None or phase == "dense" else values[1]
 
 
 def _optimizer(model: DecoderLM, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -194,48 +227,56 @@ def train(cfg: TrainConfig) -> dict:
     last_eval = None
     bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5,
                disable=not is_main)
-    # Batches are valid by construction and value checks cost a device->host sync per layer: off on CUDA.
-    value_checks = checks.checks(False) if device.type == "cuda" else nullcontext()
     tok_rate = None
+    # The newest good checkpoint of this run (step, where --resume finds it): what a stopped run leaves behind.
+    last_saved = (start, cfg.resume) if ckpt is not None else None
     try:
-        with value_checks:
-            prev_phase = cfg.phase_of(start - 1) if start else None
-            end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
-            for step in range(start, end):
-                phase = cfg.phase_of(step)
-                if phase != prev_phase:
-                    if is_main:
-                        bar.write(f"step {step}: phase {prev_phase or 'start'} -> {phase}")
-                    run.log({"kind": "phase", "step": step, "phase": phase})
-                    prev_phase = phase
-                t0 = time.perf_counter()
-                lr = cfg.lr_at(step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                batch = source.batch(cfg.seed, TRAIN, step * par.dp + par.dp_rank, cfg.capacity)
-                batch = batch.padded_to(rows).to(device)
-                loss_value, idx_loss = _train_step(step_model, model, optimizer, batch, phase, cfg, par.cp_group,
-                                                   autocast)
-                dt = time.perf_counter() - t0
-                tokens = batch.num_tokens * par.dp
-                stats["train_time_s"] += dt
-                stats["tokens"] += tokens
-                tok_rate = tokens / dt if tok_rate is None else 0.9 * tok_rate + 0.1 * tokens / dt
-                record = {"kind": "train", "step": step + 1, "phase": phase, "loss": loss_value,
-                          "indexer_loss": idx_loss, "lr": lr,
-                          "tokens": tokens, "tokens_per_s": tokens / dt}
-                run.log(record)
-                bar.set_postfix(loss=f"{loss_value:.3f}", phase=phase, tok_s=f"{tok_rate:.0f}", refresh=False)
-                bar.update(1)
-                done = step + 1
-                if evaluates and (done % cfg.eval_every == 0 or done == end):
-                    last_eval = evaluate(model, eval_batches, phase, device, autocast, par.cp_group,
-                                         cfg.cp_partition)
-                    run.log({"kind": "eval", "step": done, "phase": phase, **last_eval})
-                    if is_main:
-                        bar.write(_eval_line(done, phase, last_eval))
-                if is_main and ((cfg.save_every and done % cfg.save_every == 0) or done == end):
+        prev_phase = cfg.phase_of(start - 1) if start else None
+        end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
+        for step in range(start, end):
+            phase = cfg.phase_of(step)
+            if phase != prev_phase:
+                if is_main:
+                    bar.write(f"step {step}: phase {prev_phase or 'start'} -> {phase}")
+                run.log({"kind": "phase", "step": step, "phase": phase})
+                prev_phase = phase
+            t0 = time.perf_counter()
+            lr = cfg.lr_at(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = source.batch(cfg.seed, TRAIN, step * par.dp + par.dp_rank, cfg.capacity)
+            batch = batch.padded_to(rows).to(device)
+            try:
+                loss_value, idx_loss = _train_step(step_model, model, optimizer, batch, phase, cfg,
+                                                   par.cp_group, autocast, step, par.dp_group, par.dp)
+            except NonFiniteStep as e:
+                kept = (f"the newest checkpoint (step {last_saved[0]}) stays latest; resume from it with "
+                        f"--resume {last_saved[1]}" if last_saved is not None else "no checkpoint was written yet")
+                message = f"{e}; {kept}"
+                run.log({"kind": "stopped", "step": step + 1, "phase": phase, "reason": message})
+                raise NonFiniteStep(message) from None
+            dt = time.perf_counter() - t0
+            tokens = batch.num_tokens * par.dp
+            stats["train_time_s"] += dt
+            stats["tokens"] += tokens
+            tok_rate = tokens / dt if tok_rate is None else 0.9 * tok_rate + 0.1 * tokens / dt
+            record = {"kind": "train", "step": step + 1, "phase": phase, "loss": loss_value,
+                      "indexer_loss": idx_loss, "lr": lr,
+                      "tokens": tokens, "tokens_per_s": tokens / dt}
+            run.log(record)
+            bar.set_postfix(loss=f"{loss_value:.3f}", phase=phase, tok_s=f"{tok_rate:.0f}", refresh=False)
+            bar.update(1)
+            done = step + 1
+            if evaluates and (done % cfg.eval_every == 0 or done == end):
+                last_eval = evaluate(model, eval_batches, phase, device, autocast, par.cp_group,
+                                     cfg.cp_partition)
+                run.log({"kind": "eval", "step": done, "phase": phase, **last_eval})
+                if is_main:
+                    bar.write(_eval_line(done, phase, last_eval))
+            if (cfg.save_every and done % cfg.save_every == 0) or done == end:
+                if is_main:
                     _save(out, model, optimizer, cfg, mcfg, source, done, world, par.dp, stats)
+                last_saved = (done, out)
         bar.close()
         end = max(start, end)
         summary = {}

@@ -100,8 +100,8 @@ class Block(nn.Module):
         h = self.attn_norm(x)
         if captured is not None:
             captured.append((self.attn, h))
-        x = x + self.attn(h, cu_seqlens=pack.cu_seqlens, max_seqlen=pack.max_seqlen, phase=phase, pack=pack,
-                          cp_group=cp_group, cp_partition=cp_partition)
+        x = x + self.attn(h, phase=phase, pack=pack, cp_group=cp_group,
+                          cp_partition=None if cp_group is None else cp_partition)
         return x + self.mlp(self.mlp_norm(x))
 
 

@@ -364,15 +364,15 @@ TOPK_LENGTH_BAD = {
 def test_topk_length_bad_input(case):
     make, pattern = TOPK_LENGTH_BAD[case]
     q, kv, idx, sink = make_case(15)
-    with pytest.raises(ValueError, match=pattern):
+    with dsv4attn.checks.checks("values"), pytest.raises(ValueError, match=pattern):   # ranges: debug checks
         sparse_attention(q, kv, idx, sink, topk_length=make(*idx.shape))
 
 
 def test_topk_length_range_is_a_value_check():
-    """Out-of-range lengths need a device read to detect: with value checks off they just clamp (no sync)."""
+    """Out-of-range lengths need a device read to detect: in the default mode they just clamp (no sync)."""
     q, kv, idx, sink = make_case(16)
     too_long = torch.full((idx.shape[0],), idx.shape[1] + 3, dtype=torch.int32)
-    with dsv4attn.checks.checks(False):
+    with dsv4attn.checks.checks("default"):
         out, lse = sparse_attention(q, kv, idx, sink, topk_length=too_long)
     want = sparse_attention(q, kv, idx, sink)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
@@ -429,9 +429,9 @@ def test_torch_compile_fullgraph_matches_eager(with_length):
 
 
 def test_torch_compile_with_value_checks_on_has_no_graph_break():
-    """Value checks (which sync) are skipped while compiling, so fullgraph=True does not break on them."""
+    """Debug value checks (which sync) are skipped while compiling, so fullgraph=True does not break on them."""
     q, kv, idx, sink, length = _compile_inputs(20)
-    with dsv4attn.checks.checks(True):
+    with dsv4attn.checks.checks("values"):
         torch._dynamo.reset()
         fn = torch.compile(lambda a, b, c, d, e: sparse_attention(a, b, c, d, topk_length=e), fullgraph=True)
         out, lse = fn(q, kv, idx, sink, length)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ... import backend, checks
-from ..index_sets import IndexSet, as_index_set
+from ..index_sets import IndexSet, as_index_set, within
 from .reference import FLT_MIN, indexer_kl_naive, indexer_kl_reference
 
 
@@ -19,6 +19,8 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
         index_weights: (T, Hi) indexer head weights (scales folded in). These three get gradients.
         q: (T, H, D) main-attention queries; compressed_kv: (Nc, D) main compressed KV (both detached here).
         candidates: (T, C) int rows of ``index_k``/``compressed_kv`` forming S_t, -1 = empty (or an IndexSet).
+            A row outside ``[0, Nc)`` is an empty slot, never read (no host read; an IndexSet whose ``bound`` is
+            <= Nc costs nothing); in the debug mode (``dsv4attn.set_checks("values")``) it raises instead.
         outside_lse: (T, H) log attention mass outside S_t (window keys + sink), detached.
         softmax_scale: main attention scale, default ``D ** -0.5``.
         full_lse: instead of ``outside_lse`` (give exactly one), each head's full attention denominator L_h =
@@ -57,7 +59,8 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
                     ("compressed_kv", compressed_kv)):
         checks.check_finite(name, t)
     scale = checks.check_scale(softmax_scale, q.shape[2])
-    cand = as_index_set(candidates)
+    cand = within(as_index_set(candidates), index_k.shape[0])    # no kernel ever sees a row >= Nc (negative rows
+                                                                  # are empty slots in all of them)
     with backend.exact_math(index_q.device):
         if backend.choose("indexer_kl", index_q.device) == "triton":
             return backend.kernel("indexer_kl")(index_q, index_k, index_weights, q, compressed_kv, lse, cand, scale,

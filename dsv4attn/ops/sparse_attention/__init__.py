@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ... import backend, checks
-from ..index_sets import IndexSet, chunk_rows
+from ..index_sets import IndexSet, chunk_rows, within
 from .op import limit_slots, sparse_attention_op
 from .reference import sparse_attention_naive, sparse_attention_reference
 
@@ -21,7 +21,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
         q: (T, H, D) queries, fp16/bf16/fp32/fp64.
         kv: (N, D) the single shared KV head, same dtype as ``q`` (keys and values are the same rows).
         indices: (T, K) int32 rows of ``kv`` per query, ``-1`` = empty slot (or an :class:`IndexSet`).
-            A repeated index counts once per occurrence.
+            A repeated index counts once per occurrence. An index outside ``[0, N)`` is an empty slot too: it is
+            never read (values >= N are set to -1 first, one elementwise pass and no host read; an
+            :class:`IndexSet` whose ``bound`` is <= N, like the layers' own, skips that). In the debug mode
+            (``dsv4attn.set_checks("values")``) an index tensor holding a value outside ``[-1, N)`` raises instead.
         attn_sink: (H,) per-head sink logit, fp32 (fp64 allowed for float64 checks); value 0, denominator only.
         softmax_scale: defaults to ``D ** -0.5``.
         topk_length: optional (T,) int32 (int64 accepted) in [0, K]: row t uses only its first ``topk_length[t]``
@@ -35,8 +38,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
         The full softmax denominator is ``logaddexp(lse, attn_sink)``.
 
     Tensor indices run as the registered op ``torch.ops.dsv4attn.sparse_attention`` (works under
-    ``torch.compile(fullgraph=True)`` and CUDA-graph capture; value checks, which read device values, are skipped
-    while compiling or capturing). :class:`IndexSet` inputs run eagerly.
+    ``torch.compile(fullgraph=True)`` and CUDA-graph capture). :class:`IndexSet` inputs run eagerly. By default
+    nothing here reads a device value; the debug mode's checks (index and ``topk_length`` ranges, NaN in ``q``,
+    ``kv``, ``attn_sink``: a scan and a host read each) are skipped while compiling or capturing.
     """
     checks.check_tensor("q", q, dim=3, dtypes=FLOATS)
     T, H, D = q.shape
@@ -55,7 +59,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
         checks.check_tensor("topk_length", topk_length, shape=(T,), dtypes=INDEX_DTYPES, device=q.device)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    if checks.values_readable():
+    scale = checks.check_scale(softmax_scale, D)
+    if checks.values_readable():                    # the debug mode ("values"): raise where the default masks
         if isinstance(indices, torch.Tensor):
             checks.check_index_range("indices", indices, kv.shape[0])
         if topk_length is not None:
@@ -63,11 +68,16 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
         checks.check_finite("q", q)
         checks.check_finite("kv", kv)
         checks.check_finite("attn_sink", attn_sink, allow_inf=True)
-    scale = checks.check_scale(softmax_scale, D)
+    # Index safety, in every mode and without a host read: no kernel ever sees a row >= N (negative rows are
+    # empty slots in all of them). topk_length needs nothing: slots past min(length, K) are empty by definition.
+    if isinstance(indices, torch.Tensor):
+        indices = checks.mask_out_of_range(indices, kv.shape[0])
+    else:
+        indices = within(indices, kv.shape[0])
 
     impl = backend.choose("sparse_attention", q.device)
-    if impl == "triton" and not _triton_kernels.kernel_supports(q):
-        impl = "reference"          # float64 and other head dims: the kernels have no such path
+    if impl == "triton" and (not _triton_kernels.kernel_supports(q) or kv.shape[0] == 0):
+        impl = "reference"          # float64, other head dims, no key row at all: the kernels have no such path
     with backend.exact_math(q.device):
         if isinstance(indices, IndexSet):
             index_set = indices if topk_length is None else _FirstSlots(indices, topk_length)
@@ -87,7 +97,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
 def _check_topk_length_range(topk_length: torch.Tensor, width: int) -> None:
     if topk_length.numel() == 0:
         return
-    lo, hi = int(topk_length.min()), int(topk_length.max())
+    lo, hi = torch.stack(torch.aminmax(topk_length)).tolist()          # one read
     if lo < 0 or hi > width:
         raise ValueError(f"topk_length must hold slot counts in [0, {width}] (K = indices.shape[1]), "
                          f"got values in [{lo}, {hi}]")
@@ -98,7 +108,7 @@ class _FirstSlots(IndexSet):
 
     def __init__(self, base: IndexSet, lengths: torch.Tensor):
         self.base, self.lengths = base, lengths
-        self.width, self.total_rows = base.width, base.total_rows
+        self.width, self.total_rows, self.bound = base.width, base.total_rows, base.bound
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         return limit_slots(self.base.rows(start, end), self.lengths[start:end])
