@@ -6,7 +6,7 @@
 - ``loop.py``       the training loop (devices, torchrun data/context parallelism, resume, eval, checkpoints)
 - ``distributed.py`` data x context parallel layout: process groups, this rank's rows, gradient reduction
 - ``evaluate.py``   held-out LM loss, retrieval accuracy, indexer loss and recall@k
-- ``checkpoint.py`` safetensors weights + JSON metadata, atomic writes, bit-exact resume
+- ``checkpoint.py`` safetensors weights + JSON metadata + checksum manifest: crash-safe saves, verified loads
 - ``report.py``     curves.png and the end-of-run summary
 - ``cli.py``        argument parsing
 """

@@ -3,7 +3,9 @@
 Every flag maps to the TrainConfig field of the same name (dashes for underscores); defaults come from the
 dataclass, so the two never disagree. Errors in options, data or resume compatibility exit with status 2 and one
 line naming the option, before anything is written. A run that stops on a non-finite loss or gradient norm exits
-with status 1 and one line naming the step, the quantity and the checkpoint it left as ``latest``.
+with status 1 and one line naming the step, the quantity and the checkpoint it left as ``latest``; a file-system
+failure during the run exits with status 1 and one line naming the file; Ctrl-C exits with status 130 and says how
+to resume.
 """
 from __future__ import annotations
 
@@ -82,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     from .loop import NonFiniteStep, train
+    cfg = None
     try:
         cfg = parse_args(argv)
         train(cfg)
@@ -91,4 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteStep as e:                   # the run diverged: stopped, its last good checkpoint kept
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:            # the file system failed under a running job (a full disk): say where
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        hint = f": continue from the last checkpoint with --resume {cfg.out}" if cfg is not None else ""
+        print(f"\ninterrupted{hint}", file=sys.stderr)
+        return 130
     return 0

@@ -97,6 +97,11 @@ class TrainConfig:
                                  f"hold {held} of the packed batch, but the model's layers (--ratios "
                                  f"{','.join(map(str, self.ratios))}) need a left halo of {halo} rows from the "
                                  f"previous chunk; use --capacity >= {halo * chunks} or a smaller --cp")
+        if not isinstance(self.out, str) or not self.out.strip():
+            raise ValueError(f"--out must name the run directory, got {self.out!r} (an empty --out would write into "
+                             f"the working directory)")
+        if self.resume is not None and (not isinstance(self.resume, str) or not self.resume.strip()):
+            raise ValueError(f"--resume must name a checkpoint or run directory, got {self.resume!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         return self

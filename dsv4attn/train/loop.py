@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -38,6 +40,8 @@ from .report import plot_curves, summary_text
 
 RUN_FILES = ("metrics.jsonl", "curves.png", "summary.txt", "summary.json", "config.json", "checkpoints")
 STEP_QUANTITIES = ("loss", "indexer_loss", "grad_norm")      # checked in this order; the first non-finite is named
+# The temporary siblings of atomic_write_text: a run killed while writing one leaves it behind.
+RUN_FILE_TMP = re.compile(r"\.(metrics\.jsonl|curves\.png|summary\.txt|summary\.json|config\.json)\.tmp-\d+")
 
 
 class NonFiniteStep(RuntimeError):
@@ -50,11 +54,41 @@ class Run:
     def __init__(self, out: Path, is_main: bool):
         self.out, self.is_main = out, is_main
         self._log = None
+        self.logged_evals: set[int] = set()
+        self.dropped_records = 0
 
-    def open(self) -> None:
+    def open(self, resumed_at: int | None = None) -> None:
+        """Open the log for appending; continuing the run in ``out`` from step ``resumed_at``, first drop the
+        records of the steps after it (a session stopped or killed after its last checkpoint logged them; they are
+        done again) and any torn last line."""
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.out / "metrics.jsonl", "a", encoding="utf-8")
+            path = self.out / "metrics.jsonl"
+            if resumed_at is not None and path.exists():
+                self._drop_records_after(path, resumed_at)
+            self._log = open(path, "a", encoding="utf-8")
+
+    def _drop_records_after(self, path: Path, step: int) -> None:
+        kept = []
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(rec, dict):
+                continue
+            at = rec.get("step")
+            if isinstance(at, int):
+                # train and eval records carry the step done; start and phase records the step about to run
+                if at > step or (at == step and rec.get("kind") not in ("train", "eval")):
+                    continue
+                if rec.get("kind") == "eval":
+                    self.logged_evals.add(at)
+            kept.append(line)
+        self.dropped_records = len(lines) - len(kept)
+        if self.dropped_records:
+            ckpt_io.atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def log(self, record: dict) -> None:
         if self._log is not None:
@@ -74,35 +108,65 @@ def _pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_out_dir(cfg: TrainConfig, out: Path, resume_run_dir: Path | None) -> None:
-    """A fresh run refuses a --out that already holds a run unless --overwrite; resuming may append to its own."""
+def _foreign_entries(out: Path) -> list[str]:
+    """What ``out`` holds that the trainer did not write (paths relative to ``out``)."""
+    foreign = []
+    for p in sorted(out.iterdir()):
+        if p.name == "checkpoints" and p.is_dir() and not p.is_symlink():
+            foreign.extend(str(q.relative_to(out)) for q in ckpt_io.foreign_entries(p))
+        elif not ((p.name in RUN_FILES[:-1] or RUN_FILE_TMP.fullmatch(p.name)) and p.is_file()
+                  and not p.is_symlink()):
+            foreign.append(p.name)
+    return foreign
+
+
+def _check_out_dir(cfg: TrainConfig, out: Path, continues_run: bool) -> bool:
+    """A fresh run refuses a --out that already holds a run unless --overwrite; resuming may append to its own.
+    --overwrite refuses a folder holding anything the trainer did not write. Returns whether the run in --out is to
+    be removed (--overwrite)."""
     if not out.exists():
-        return
+        return False
     if not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
+    if continues_run:
+        return False
     existing = [name for name in RUN_FILES if (out / name).exists()]
-    if not existing:
-        return
-    if resume_run_dir is not None and out.resolve() == resume_run_dir.resolve():
-        return
-    if not cfg.overwrite:
+    if cfg.overwrite:
+        foreign = _foreign_entries(out)
+        if foreign:
+            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+            raise ValueError(f"--overwrite: --out {out} holds {', '.join(foreign[:5])}{more}, which the trainer did "
+                             f"not write; --overwrite removes a run's own files only ({', '.join(RUN_FILES)}), so "
+                             f"move those away or pick another --out (nothing was written)")
+        return bool(existing)
+    if existing:
         raise ValueError(f"--out {out} already holds a run ({', '.join(existing)}); pass --resume {out} to continue "
                          f"it, --overwrite to replace it, or another --out")
+    return False
 
 
-def _resume_point(cfg: TrainConfig, world: int) -> tuple[Path | None, dict | None]:
-    """(checkpoint dir, its metadata) named by --resume, after checking it can continue this run; (None, None)."""
-    if not cfg.resume:
-        return None, None
-    ckpt = ckpt_io.find_checkpoint(cfg.resume)
-    meta = ckpt_io.read_meta(ckpt)
+def _remove_run(out: Path) -> None:
+    """Delete the run files of ``out`` (checked by _check_out_dir to be the trainer's only)."""
+    for p in sorted(out.iterdir()):
+        if p.name == "checkpoints":
+            shutil.rmtree(p)
+        elif p.name in RUN_FILES or RUN_FILE_TMP.fullmatch(p.name):
+            p.unlink()
+
+
+def _resume_point(cfg: TrainConfig, world: int) -> ckpt_io.Loaded | None:
+    """The checkpoint named by --resume, checked and read, after checking it can continue this run; or None."""
+    if cfg.resume is None:
+        return None
+    loaded = ckpt_io.load_checkpoint(cfg.resume)
+    meta = loaded.meta
     diffs = resume_mismatches(meta["run_config"], cfg)
     if meta.get("world_size", 1) != world:
         diffs.append(f"world size: checkpoint {meta.get('world_size', 1)}, now {world}")
     if diffs:
-        raise ValueError(f"--resume {cfg.resume}: the run options differ from the checkpoint's, so it cannot "
-                         f"continue that run (nothing was written):\n  " + "\n  ".join(diffs))
-    return ckpt, meta
+        raise ValueError(f"--resume {cfg.resume}: the run options differ from the checkpoint's ({loaded.path}), so "
+                         f"it cannot continue that run (nothing was written):\n  " + "\n  ".join(diffs))
+    return loaded
 
 
 def loss_and_grads(step_model, model: DecoderLM, batch, phase: str, cp_group=None, cp_partition: str = "contiguous",
@@ -180,9 +244,13 @@ def train(cfg: TrainConfig) -> dict:
     mcfg = model_config(cfg.model, cfg.ratios, cfg.indexer_loss_coeff)
     source = make_source(cfg.data, n_layers=mcfg.num_layers, window=mcfg.attention.sliding_window)
 
-    ckpt, meta = _resume_point(cfg, world)
+    loaded = _resume_point(cfg, world)
     out = Path(cfg.out)
-    _check_out_dir(cfg, out, ckpt.parent.parent if ckpt is not None else None)
+    continues_run = loaded is not None and out.is_dir() and out.resolve() == loaded.run_dir.resolve()
+    replace_run = _check_out_dir(cfg, out, continues_run)
+    if loaded is not None and rank == 0:
+        for note in loaded.notes:
+            print(f"warning: --resume {cfg.resume}: {note}", file=sys.stderr, flush=True)
 
     own_group = world > 1 and not dist.is_initialized()   # a caller's process group stays the caller's
     if own_group:
@@ -192,19 +260,16 @@ def train(cfg: TrainConfig) -> dict:
     par = distributed.build(world, rank, cfg.cp)
     is_main = rank == 0
     evaluates = par.dp_rank == 0                  # replica 0 evaluates (all its CP ranks); rank 0 logs
-    if is_main and cfg.overwrite and not cfg.resume:
-        for name in RUN_FILES:
-            target = out / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
 
     torch.manual_seed(cfg.seed)
     model = DecoderLM(mcfg).to(device)
     optimizer = _optimizer(model, cfg)
     start = 0
-    if ckpt is not None:
-        ckpt_io.load_weights(ckpt, model, optimizer)
-        ckpt_io.set_rng_state(meta["rng"])
-        start = meta["step"]
+    if loaded is not None:
+        ckpt_io.load_into(loaded, model, optimizer)
+        ckpt_io.set_rng_state(loaded.meta["rng"])
+        start = loaded.meta["step"]
+        loaded.weights = loaded.optimizer_state = None      # in the model and optimizer now
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
         process_group=par.dp_group) if par.dp > 1 else None
@@ -214,14 +279,18 @@ def train(cfg: TrainConfig) -> dict:
     eval_batches = [source.batch(cfg.seed, EVAL, i, cfg.capacity).padded_to(rows)
                     for i in range(cfg.eval_batches)] if evaluates else []
 
+    if is_main and replace_run:                    # --overwrite: only now that everything has been checked
+        _remove_run(out)
     run = Run(out, is_main)
-    run.open()
+    run.open(start if continues_run else None)
     if is_main:
         ckpt_io.atomic_write_text(out / "config.json", json.dumps(
             {"run_config": cfg.to_dict(), "model_config": mcfg.to_dict(), "data": source.describe(),
              "world_size": world, "data_parallel": par.dp, "device": str(device)}, indent=1))
         run.log({"kind": "start", "step": start, "device": str(device), "world_size": world, "cp": cfg.cp,
-                 "resumed_from": str(ckpt) if ckpt else None, "params": sum(p.numel() for p in model.parameters())})
+                 "resumed_from": str(loaded.path) if loaded else None,
+                 "resume_notes": loaded.notes if loaded else [], "dropped_records": run.dropped_records,
+                 "params": sum(p.numel() for p in model.parameters())})
 
     stats = {"train_time_s": 0.0, "tokens": 0, "start_step": start, "wall_start": time.perf_counter()}
     last_eval = None
@@ -283,7 +352,8 @@ def train(cfg: TrainConfig) -> dict:
         if evaluates and last_eval is None:    # resumed at or past the last step: still report the model
             last_eval = evaluate(model, eval_batches, cfg.phase_of(end - 1), device, autocast, par.cp_group,
                                  cfg.cp_partition)
-            run.log({"kind": "eval", "step": end, "phase": cfg.phase_of(end - 1), **last_eval})
+            if end not in run.logged_evals:
+                run.log({"kind": "eval", "step": end, "phase": cfg.phase_of(end - 1), **last_eval})
         if is_main:
             summary = _finish(out, cfg, mcfg, device, world, stats, last_eval, model, end)
         if world > 1:

@@ -29,9 +29,12 @@ def _refused(capsys, args, message, tmp_path):
     (["--ratios", "0,5"], "--ratios must be a comma-separated list"),
     (["--steps", "0"], "--steps must be an int >= 1"),
     (["--model", "huge"], "--model must be one of"),
+    (["--out", ""], "--out must name the run directory, got ''"),
+    (["--out", "  "], "--out must name the run directory, got '  '"),
+    (["--resume", ""], "--resume must name a checkpoint or run directory, got ''"),
 ], ids=["phase_schedule_too_long", "capacity_zero", "cp_zero", "cp_too_few_rows_per_rank",
         "cp_too_few_rows_window_8", "cp_head_tail_too_few_rows", "cp_not_dividing_the_world", "bad_ratio",
-        "no_steps", "bad_preset"])
+        "no_steps", "bad_preset", "empty_out", "blank_out", "empty_resume"])
 def test_bad_options(tmp_path, capsys, args, message):
     _refused(capsys, ["--out", str(tmp_path / "run"), *args], message, tmp_path)
     assert not (tmp_path / "run").exists()
