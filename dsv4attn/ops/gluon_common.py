@@ -30,7 +30,7 @@ from __future__ import annotations
 # Bound whether or not Gluon imports, so that the kernel modules' imports of them always work.
 gluon = gl = async_copy = mbarrier = tma = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
 TensorDescriptor = async_load = tma_load = thread_barrier = None
-program_row = mbarriers = slot_rows = gather_rows = copy_heads = ring_gather = None
+program_row = mbarriers = slot_rows = gather_rows = copy_heads = store_heads = ring_gather = None
 
 try:  # any import problem (older or newer Triton) just disables the Gluon paths
     from triton.experimental import gluon
@@ -82,6 +82,19 @@ if IMPORTED:
         ok = idx >= 0
         rows = gl.where(ok, idx, 0).to(gl.int64) * D
         async_load(stage_smem.slice(r, 16, dim=0), KV + rows[:, None] + cols[None, :], mask=ok[:, None])
+
+    @gluon.jit
+    def store_heads(x, OUT, t, H, hb, col0: gl.constexpr, staging, D: gl.constexpr):
+        # Columns [col0, col0 + x's width) of the 64 heads of head block hb of row t of OUT (T, H, D), from the
+        # register tile x through ``staging`` (shared memory of x's shape, free by now): read back 8 columns per
+        # thread, so each warp writes whole 512-byte row segments (the wgmma layout's 4-byte pieces filled half of
+        # every 32-byte sector: ncu counted twice the output's bytes reaching L2).
+        staging.store(x.to(OUT.dtype.element_ty))
+        thread_barrier()
+        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        h_o = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, st_layout))
+        c_o = col0 + gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, st_layout))
+        gl.store(OUT + t * H * D + h_o.to(gl.int64)[:, None] * D + c_o[None, :], staging.load(st_layout))
 
     @gluon.jit
     def copy_heads(X, H, t, hb, x_smem, D: gl.constexpr):

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from ..gluon_common import (BLOCK_H, IMPORTED, async_copy, copy_heads, fence_async_shared, gl, gluon, mbarrier,
-                            mbarriers, program_row, ring_gather, thread_barrier, warpgroup_mma, warpgroup_mma_wait)
+                            mbarriers, program_row, ring_gather, store_heads, warpgroup_mma, warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
 # BLOCK_N: gathered rows per block; STAGES: ring depth; REGS: registers per thread of the worker consumer and the
@@ -69,10 +69,8 @@ if IMPORTED:
     def _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, col0: gl.constexpr, staging, D: gl.constexpr,
                 WRITE_LSE: gl.constexpr):
         # Sink in the denominator only: out = acc / (l + 2^(sink log2e - m)); rows without keys (l == 0) give 0.
-        # ``acc`` holds output columns [col0, col0 + its width) of the 64 heads of head block ``hb``. It goes out
-        # through ``staging`` (shared memory of its shape, free by now): stored from the wgmma layout, read back 8
-        # columns per thread, so at D = 512 each warp writes whole 512-byte row segments (the wgmma layout's 4-byte
-        # pieces filled half of every 32-byte sector: ncu counted twice the output's bytes reaching L2).
+        # ``acc`` holds output columns [col0, col0 + its width) of the 64 heads of head block ``hb``; it goes out
+        # through ``staging`` (store_heads).
         row_layout: gl.constexpr = m_i.type.layout
         o_layout: gl.constexpr = acc.type.layout
         h_s = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=row_layout)
@@ -86,12 +84,7 @@ if IMPORTED:
             gl.store(LSE + t * H + h_s, lse)
         scale_o = gl.where(has_keys, 1.0 / denom, 0.0)
         out = acc * gl.convert_layout(scale_o, gl.SliceLayout(1, o_layout))[:, None]
-        staging.store(out.to(OUT.dtype.element_ty))
-        thread_barrier()
-        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        h_o = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, st_layout))
-        c_o = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, st_layout))
-        gl.store(OUT + t * H * D + h_o.to(gl.int64)[:, None] * D + c_o[None, :], staging.load(st_layout))
+        store_heads(out, OUT, t, H, hb, col0, staging, D)
 
     @gluon.jit
     def _pp_producer(Q, KV, IDX, H, K, t, hb, q_smem, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,

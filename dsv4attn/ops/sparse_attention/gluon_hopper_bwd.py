@@ -35,7 +35,7 @@ import torch
 
 from .. import gluon_common
 from ..gluon_common import (BLOCK_H, IMPORTED, copy_heads, fence_async_shared, gl, gluon, mbarrier, mbarriers,
-                            program_row, ring_gather, thread_barrier, warpgroup_mma, warpgroup_mma_wait)
+                            program_row, ring_gather, store_heads, warpgroup_mma, warpgroup_mma_wait)
 from . import gluon_hopper
 from .gluon_hopper import LOG2E
 
@@ -74,17 +74,6 @@ if IMPORTED:
         copy_heads(DO, H, t, hb, do_smem, D)
         gluon_common.async_copy.commit_group()      # the first full[] arrival covers these copies too
         ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, 1)
-
-    @gluon.jit
-    def _store_dq(dq, DQ, t, H, hb, col0: gl.constexpr, staging, D: gl.constexpr):
-        # dq columns [col0, col0 + its width) of the head block, through ``staging`` (shared memory of its shape, free
-        # by now) so that each warp writes whole 512-byte row segments instead of the wgmma layout's 4-byte pieces.
-        staging.store(dq.to(DQ.dtype.element_ty))
-        thread_barrier()
-        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        h_o = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, st_layout))
-        c_o = col0 + gl.arange(0, dq.shape[1], layout=gl.SliceLayout(0, st_layout))
-        gl.store(DQ + t * H * D + h_o.to(gl.int64)[:, None] * D + c_o[None, :], staging.load(st_layout))
 
     @gluon.jit
     def _bwd_softmax(IDX, DQ, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf, ds_buf,
@@ -126,7 +115,7 @@ if IMPORTED:
             dq = warpgroup_mma(ds_buf.index(buf + z), ring.index(z).slice(0, HALF, dim=1), dq)
             mbarrier.arrive(empty.index(0))
         # The producer gathers nothing more and this warpgroup's last read of kv columns [0, HALF) is done.
-        _store_dq(dq, DQ, t, H, hb, 0, ring.index(0).slice(0, HALF, dim=1), D)
+        store_heads(dq, DQ, t, H, hb, 0, ring.index(0).slice(0, HALF, dim=1), D)
 
     @gluon.jit
     def _bwd_dkv(IDX, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready, pfree,
@@ -181,7 +170,7 @@ if IMPORTED:
                               sem="relaxed")
                 if c + 1 < CHUNKS:
                     acc = nxt
-        _store_dq(dq, DQ, t, H, hb, HALF, ring.index(0).slice(HALF, HALF, dim=1), D)
+        store_heads(dq, DQ, t, H, hb, HALF, ring.index(0).slice(HALF, HALF, dim=1), D)
 
     @gluon.jit
     def _sparse_attn_bwd_gluon(Q, DO, KV, IDX, DENOM2, DELTA, DQ, DKV, H, K, qk_scale_log2, scale,
