@@ -191,22 +191,20 @@ SWEEP_GLUON = [_gluon(64, 2), _gluon(64, 2, REGS=(232, 24)), _gluon(64, 2, REGS=
                _gluon(64, 2, REGS=(184, 72)), _gluon(32, 4), _gluon(32, 3)]
 SWEEP_FWD = {   # per head count; BLOCK_DK == BLOCK_DV == 512: one kv tile per step for scores and values
     64: [_fwd(32, 128, 512, 8, 2),                                   # split-score layout (first version)
-         _fwd(64, 512, 512, 8, 2), _fwd(64, 512, 512, 8, 2, WARP_SPEC=True), _fwd(32, 512, 512, 8, 3)] + SWEEP_GLUON,
+         _fwd(64, 512, 512, 8, 2), _fwd(32, 512, 512, 8, 3)] + SWEEP_GLUON,
     128: [_fwd(64, 512, 512, 8, 2), _fwd(32, 512, 512, 16, 2, BLOCK_H=128), _fwd(64, 512, 512, 16, 1, BLOCK_H=128),
           _fwd(32, 512, 512, 16, 1, BLOCK_H=128)] + SWEEP_GLUON,
 }
 def _bwd(layout, n, w, s, **extra):
-    return dict(dict(LAYOUT=layout, BLOCK_N=n, num_warps=w, num_stages=s, RELAXED=True), **extra)
+    from dsv4attn.ops.sparse_attention import triton as sat_layouts
+    layouts = dict(fused=sat_layouts.FUSED, fused2=sat_layouts.FUSED2, split=sat_layouts.SPLIT, split3=sat_layouts.SPLIT3)
+    return dict(dict(LAYOUT=layouts[layout], BLOCK_N=n, num_warps=w, num_stages=s, RELAXED=True), **extra)
 
 
-# Backward configurations (triton.BWD_CONFIGS keys; ``_deterministic`` = time deterministic=True instead). Without
-# LAYOUT a config runs the first (sliced) kernels. Per kv tile the sliced layout does 13 GEMM-tiles, "fused" and
-# "fused2" 7, "split" and "split3" 9 (triton.BWD_PASSES); every layout adds the same T * K * D fp32 atomics.
-SWEEP_BWD = [dict(BLOCK_N=n, BLOCK_DK=dk, BLOCK_DV=dv, num_warps=w, num_stages=s)
-             for n, dk, dv, w, s in [(32, 64, 128, 4, 2), (32, 64, 256, 8, 2), (32, 64, 128, 4, 3),
-                                     (16, 64, 128, 4, 2), (32, 64, 128, 8, 2), (32, 128, 256, 8, 2)]]
-SWEEP_BWD += [
-    dict(BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=128, num_warps=4, num_stages=2, RELAXED=True),   # sliced, relaxed atomics
+# Triton backward configurations (triton.BWD_CONFIGS keys; ``_deterministic`` = time deterministic=True instead).
+# Per kv tile FUSED and FUSED2 do 7 GEMM-tiles, SPLIT and SPLIT3 9 (triton.BwdLayout); every layout adds the same
+# T * K * D fp32 atomics. A config forces the Triton passes (the one-pass Gluon backward is timed by bench()).
+SWEEP_BWD = [
     _bwd("split3", 64, 8, 1, DELTA=dict(num_warps=4), DKV=dict(BLOCK_N=32, num_warps=4)),   # the Triton default
     _bwd("fused", 32, 8, 2, DELTA=dict(BLOCK_N=64, num_warps=4, num_stages=1)),
     _bwd("split", 64, 8, 1, DKV=dict(BLOCK_N=32, num_warps=4)),    # "split" at its best (per-pass sweep)
@@ -252,11 +250,11 @@ def sweep(T: int, log, bwd: bool = True, heads: int = 64, fwd: bool = True, pick
             log(f"sweep fwd H={heads} {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}")
     if not bwd:
         return
-    try:        # every variant is compared with the first (sliced) kernels' gradients
-        base = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, sat.SLICED_BWD_CONFIGS[D])
+    try:        # every variant is compared with the default Triton passes' gradients
+        base = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, sat.BWD_CONFIGS[D])
     except Exception as exc:                                               # noqa: BLE001
         base = None
-        log(f"sweep bwd H={heads}: sliced baseline failed {type(exc).__name__}: {str(exc)[:200]}")
+        log(f"sweep bwd H={heads}: Triton baseline failed {type(exc).__name__}: {str(exc)[:200]}")
     for i, entry in enumerate(SWEEP_BWD):
         if picks is not None and i not in picks:
             continue
@@ -275,7 +273,7 @@ def sweep(T: int, log, bwd: bool = True, heads: int = 64, fwd: bool = True, pick
                 diff = " ".join(f"{name} {((a.float() - b.float()).abs().max() / b.float().abs().max()).item():.1e}"
                                 for name, a, b in zip(("dq", "dkv", "d_sink"), run(), base))
             log(f"sweep bwd H={heads} {label}: {ms:.3f} ms {2.5 * fwd_flop / ms / 1e9:.1f} TFLOP/s "
-                f"(max rel diff vs sliced: {diff}){shrunk}")
+                f"(max rel diff vs the Triton default: {diff}){shrunk}")
         except Exception as exc:                                           # noqa: BLE001
             log(f"sweep bwd H={heads} {label}: failed {type(exc).__name__}: {str(exc)[:200]}")
         torch.cuda.empty_cache()

@@ -3,10 +3,9 @@
 ``"reference"``: the readable PyTorch implementation (any device, float64-capable).
 ``"triton"``: fused kernels, used on CUDA when Triton is importable and the op has a kernel registered.
 Override with ``set_backend("reference")`` / ``set_backend("triton")``, or ``DSV4ATTN_BACKEND``; ``None``/``"auto"``
-restores the automatic choice. Within the Triton backend the sparse-attention forward has two kernels: on SM90 GPUs
-a warp-specialised Gluon kernel, elsewhere the Triton one; ``DSV4ATTN_FORWARD_KERNEL=triton`` (or ``gluon``, ``auto``)
-or ``dsv4attn.ops.sparse_attention.triton.FORWARD_KERNEL`` chooses ("triton" also keeps out the Gluon dKV pass of
-the backward and the indexer KL's Gluon teacher mass).
+restores the automatic choice. Within the Triton backend, which kernel runs each pass (the SM90 Gluon kernels or the
+Triton ones) is decided by :mod:`dsv4attn.variants`: ``set_kernels("triton")`` or ``DSV4ATTN_KERNELS=triton``
+keeps every Gluon kernel out.
 """
 from __future__ import annotations
 
@@ -15,6 +14,8 @@ import os
 from typing import Callable
 
 import torch
+
+from .variants import set_kernels  # noqa: F401  (the one setter of the kernel choice, next to set_backend)
 
 BACKENDS = ("reference", "triton")
 _forced: str | None = os.environ.get("DSV4ATTN_BACKEND") or None
@@ -26,6 +27,10 @@ _TRITON_FOUND = importlib.util.find_spec("triton") is not None   # once, at impo
 
 def triton_available() -> bool:
     return _TRITON_FOUND
+
+
+def forced() -> str | None:
+    return _forced
 
 
 def set_backend(name: str | None) -> None:

@@ -5,7 +5,7 @@ import platform
 
 import torch
 
-from . import __version__, backend, checks
+from . import __version__, backend, checks, variants
 
 OPS = ("sparse_attention", "compress_pool", "indexer_topk", "indexer_kl", "qnorm_rope", "rope_rotate", "inverse_rope")
 
@@ -24,16 +24,31 @@ def report() -> str:
     else:
         lines.append("no CUDA device")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lines.append(f"kernels: {variants.kernels_mode()!r} ({variants.ENV}=auto|triton|gluon)")
     for op in OPS:
         lines.append(f"op {op:<17} -> {backend.choose(op, device)} on {device.type}")
+        lines.extend(_passes(op, device))
     lines.append(f"checks: {checks.checks_mode()!r} (batch metadata validated per batch; NaN/Inf scans "
                  f"{'on' if checks.checks_enabled() else 'off: DSV4ATTN_CHECKS=values turns them on'})")
-    if device.type == "cuda" and backend.choose("sparse_attention", device) == "triton":
-        from .ops.sparse_attention import triton as sparse_triton
-        q = torch.empty(1, 64, 512, device=device, dtype=torch.bfloat16)
-        lines.append(f"sparse_attention forward kernel (bf16, 64 heads, D = 512) -> "
-                     f"{sparse_triton.forward_kernel(q)}")
     return "\n".join(lines)
+
+
+def _passes(op: str, device: torch.device) -> list[str]:
+    """One line per pass of ``op``: what runs on ``device`` and why the others do not."""
+    passes = [p for o, p in variants.PASSES if o == op]
+    if backend.choose(op, device) == "reference":
+        why = ("DSV4ATTN_BACKEND=reference" if backend.forced() == "reference" else
+               "Triton not installed" if not backend.triton_available() else "no CUDA device")
+        return [f"  {p:<13} reference ({why})" for p in passes]
+    out = []
+    for p in passes:
+        found = variants.explain(op, p, device)
+        runs = next(name for name, usable, _ in found if usable)
+        if runs == "triton" and device.type != "cuda":
+            runs = "triton (interpreter)"
+        others = "; ".join(f"{name}: {reason}" for name, usable, reason in found if not usable)
+        out.append(f"  {p:<13} {runs}" + (f" ({others})" if others else ""))
+    return out
 
 
 if __name__ == "__main__":

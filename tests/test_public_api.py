@@ -8,7 +8,8 @@ import dsv4attn
 
 def test_top_level_names():
     assert set(dsv4attn.__all__) == {"AttentionConfig", "HybridAttention", "Compressor", "Indexer", "PackedBatch",
-                                     "pack_batch", "ops", "set_backend", "set_checks", "parallel", "__version__"}
+                                     "pack_batch", "ops", "set_backend", "set_kernels", "set_checks", "parallel",
+                                     "__version__"}
     for name in dsv4attn.__all__:
         assert hasattr(dsv4attn, name), name
 

@@ -51,6 +51,29 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 BLOCK_H = 64
 
 
+def sm90(device) -> tuple[bool, str]:
+    """(usable, reason) of the SM90 Gluon kernels on ``device``: Gluon imported and a GPU of compute capability 9."""
+    import torch
+    device = torch.device(device)
+    if not IMPORTED:
+        return False, "this Triton has no usable Gluon"
+    if device.type != "cuda":
+        return False, "no SM90 GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return False, f"no SM90 GPU (sm_{major}{minor})"
+    return True, ""
+
+
+def half_precision(*tensors) -> tuple[bool, str]:
+    """(usable, reason): every tensor bf16 or fp16, all of one dtype (the Gluon kernels' operand types)."""
+    import torch
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1 or not dtypes <= {torch.bfloat16, torch.float16}:
+        return False, f"needs bf16/fp16 operands of one dtype, got {sorted(map(str, dtypes))}"
+    return True, ""
+
+
 if IMPORTED:
     BLOCK_H_C = gl.constexpr(BLOCK_H)
 

@@ -3,14 +3,32 @@ from __future__ import annotations
 
 import os
 
+from typing import Callable, TypeVar
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+C = TypeVar("C")
 
 
 def interpreting() -> bool:
     """True under ``TRITON_INTERPRET=1`` (the CPU interpreter the tests run the kernels through)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def launch_fitting(launch: Callable[[C], object], config: C, smaller: Callable[[C], C | None]) -> C:
+    """``launch(config)``, retried with ``smaller(config)`` while this GPU's shared memory or registers are too
+    small for it (``OutOfResources``) until ``smaller`` returns None; returns the configuration that launched."""
+    while True:
+        try:
+            launch(config)
+            return config
+        except OutOfResources:
+            config = smaller(config)
+            if config is None:
+                raise
 
 
 def dot_mode(dtype: torch.dtype) -> int:

@@ -35,7 +35,7 @@ def test_unweighted_rms_norm_bf16_statistics_in_fp32():
 
 
 def test_unweighted_rms_norm_in_row_chunks_equals_one_chunk(monkeypatch):
-    from dsv4attn.layers.common import _UnweightedRMSNorm
+    from dsv4attn.norms import _UnweightedRMSNorm
     torch.manual_seed(2)
     x = torch.randn(7, 3, 8, dtype=torch.float64, requires_grad=True)
     g = torch.randn_like(x)

@@ -29,6 +29,8 @@ import os
 import pytest
 import torch
 
+from dsv4attn import variants
+
 from tests.ops.interpreter import run_worker
 from tests.ops.kernel_checks import OpLog, assert_error_within, low_precision_bound
 
@@ -322,7 +324,7 @@ def _op_checks(klt, plumbing_inputs) -> dict:
     index_q, index_k, index_w, q, ckv, outside, cand, grad_kl = plumbing_inputs
     leaves = [t.detach().clone().requires_grad_(True) for t in (index_q, index_k, index_w)]
     fwd_tiles = [int(klt.FWD_CONFIG[key]) for key in klt.FWD_KEYS]
-    bwd_tiles = [int(klt.BWD_CONFIG[key]) for key in klt.BWD_KEYS]
+    bwd_tiles = klt._tiles(None, klt.BWD_CONFIG, klt.BWD_KEYS)
     args = (*leaves, q, ckv, outside, cand.indices, 0.25, True, fwd_tiles, bwd_tiles)
     checks = [torch.library.opcheck(klt.indexer_kl_op, args),
               torch.library.opcheck(klt.indexer_kl_op, (*args, True))]           # full_lse form
@@ -468,7 +470,7 @@ def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, monke
     given = _with_full_lse(inputs) if full else inputs
     gluon_expected = full == "gluon" and gluon_hopper.available(inputs[3])
     if full == "triton":
-        monkeypatch.setattr(klt, "GLUON_MASS_FAILED", {(512, torch.bfloat16): "forced off by the test"})
+        monkeypatch.setattr(variants, "FAILED", {("indexer_kl", "teacher_mass", (512, torch.bfloat16)): "forced off by the test"})
     calls = []
     real_mass = gluon_hopper.teacher_mass
     monkeypatch.setattr(gluon_hopper, "teacher_mass", lambda *a, **k: calls.append(1) or real_mass(*a, **k))
@@ -480,7 +482,7 @@ def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, monke
     finally:
         klt.SAVE_G_MAX_WIDTH = saved
     # The Gluon teacher ran exactly where it applies (a build failure would only warn and fall back), and only there.
-    assert bool(calls) == gluon_expected and not (gluon_expected and klt.GLUON_MASS_FAILED), klt.GLUON_MASS_FAILED
+    assert bool(calls) == gluon_expected and not (gluon_expected and variants.FAILED), variants.FAILED
     measured = _compare(kernel, _run(lambda *a: indexer_kl_reference(*a, full=bool(full)), given),
                         _run(indexer_kl_reference, inputs, widen=True))
     _assert_within_bounds(f"{mode}-T4096", measured, low_precision=True)
@@ -528,7 +530,7 @@ def test_one_tile_forward_is_refused_outside_the_interpreter(monkeypatch):
 
 
 def test_gluon_teacher_mass_dispatch(monkeypatch):
-    """Where the Gluon teacher-mass kernel applies it is used; DSV4ATTN_FORWARD_KERNEL=triton keeps it out; a build
+    """Where the Gluon teacher-mass kernel applies it is used; DSV4ATTN_KERNELS=triton keeps it out; a build
     failure warns once per (D, dtype) and leaves the mass to the Triton kernel; other errors propagate. (Launches
     are stubbed: dispatch logic only.)"""
     from triton.runtime.errors import PTXASError
@@ -537,17 +539,17 @@ def test_gluon_teacher_mass_dispatch(monkeypatch):
     from dsv4attn.ops.sparse_attention import gluon_hopper, triton as sparse_triton
 
     calls = []
-    monkeypatch.setattr(gluon_hopper, "available", lambda q: True)
-    monkeypatch.setattr(klt, "GLUON_MASS_FAILED", {})
-    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "auto")
+    monkeypatch.setattr(gluon_hopper, "check", lambda q: (True, "stubbed"))
+    monkeypatch.setattr(variants, "FAILED", {})
+    monkeypatch.setattr(variants, "_mode", "auto")
     q, ckv = torch.zeros(3, 64, 128, dtype=torch.bfloat16), torch.zeros(5, 128, dtype=torch.bfloat16)
     operands = (None, None, None, q, ckv)
     idx, full = torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 64)
     monkeypatch.setattr(gluon_hopper, "teacher_mass", lambda *a: calls.append(a) or torch.ones(3, 4))
     assert klt._gluon_teacher_mass(operands, idx, full, 0.1) is not None and len(calls) == 1
-    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "triton")
+    monkeypatch.setattr(variants, "_mode", "triton")
     assert klt._gluon_teacher_mass(operands, idx, full, 0.1) is None and len(calls) == 1
-    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "auto")
+    monkeypatch.setattr(variants, "_mode", "auto")
 
     def broken(*a):
         raise PTXASError("cannot build")
@@ -555,11 +557,11 @@ def test_gluon_teacher_mass_dispatch(monkeypatch):
     built = r"teacher-mass kernel \(_teacher_mass_gluon\) could not be built for D=128"
     with pytest.warns(RuntimeWarning, match=built):
         assert klt._gluon_teacher_mass(operands, idx, full, 0.1) is None
-    assert (128, torch.bfloat16) in klt.GLUON_MASS_FAILED
+    assert ("indexer_kl", "teacher_mass", (128, torch.bfloat16)) in variants.FAILED
 
     def buggy(*a):
         raise ValueError("a bug")
-    monkeypatch.setattr(klt, "GLUON_MASS_FAILED", {})
+    monkeypatch.setattr(variants, "FAILED", {})
     monkeypatch.setattr(gluon_hopper, "teacher_mass", buggy)
     with pytest.raises(ValueError, match="a bug"):
         klt._gluon_teacher_mass(operands, idx, full, 0.1)
@@ -568,8 +570,8 @@ def test_gluon_teacher_mass_dispatch(monkeypatch):
 @GPU
 @pytest.mark.parametrize("gluon", [1, 0], ids=["gluon-bwd", "triton-bwd"])
 def test_gpu_sparse_backward_kernels_match_float64_reference(gluon, monkeypatch):
-    """The saved-gradient backward (sparse phase) by the Gluon kernel where it applies (GLUON=1 on SM90; the test
-    checks that it ran exactly there) and by the Triton kernel (GLUON=0): both within the bounds against float64."""
+    """The saved-gradient backward (sparse phase) by the Gluon kernel where it applies (KERNEL="auto" on SM90; the test
+    checks that it ran exactly there) and by the Triton kernel (KERNEL="triton"): both within the bounds against float64."""
     from dsv4attn.ops.indexer_loss import gluon_hopper as gluon_kl
     from dsv4attn.ops.indexer_loss import triton as klt
     from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
@@ -584,15 +586,15 @@ def test_gpu_sparse_backward_kernels_match_float64_reference(gluon, monkeypatch)
     calls = []
     real = gluon_kl.launch_bwd
     monkeypatch.setattr(gluon_kl, "launch_bwd", lambda *a, **k: calls.append(1) or real(*a, **k))
-    kernel = _run(lambda *a: klt.indexer_kl_triton(*a, bwd_config=dict(klt.BWD_CONFIG, GLUON=gluon)), inputs)
-    assert bool(calls) == expected and not klt.GLUON_BWD_FAILED, klt.GLUON_BWD_FAILED
+    kernel = _run(lambda *a: klt.indexer_kl_triton(*a, bwd_config=dict(klt.BWD_CONFIG, KERNEL="auto" if gluon else "triton")), inputs)
+    assert bool(calls) == expected and not variants.FAILED, variants.FAILED
     measured = _compare(kernel, _run(indexer_kl_reference, inputs), _run(indexer_kl_reference, inputs, widen=True))
     _assert_within_bounds("sparse-T4096", measured, low_precision=True)
 
 
 def test_gluon_backward_dispatch(monkeypatch):
     """Which backward runs (kernel launches stubbed, any machine): the Gluon kernel for the saved-gradient form
-    where it applies and GLUON=1; the Triton kernel with GLUON=0, under DSV4ATTN_FORWARD_KERNEL=triton, for the
+    where it applies under KERNEL="auto"; the Triton kernel with KERNEL="triton", under DSV4ATTN_KERNELS=triton, for the
     recomputing form (no saved gradient), and after a build failure (one warning, not tried again)."""
     import warnings
 
@@ -609,11 +611,11 @@ def test_gluon_backward_dispatch(monkeypatch):
         if failure:
             raise failure[0]
 
-    monkeypatch.setattr(gluon_kl, "available", lambda qi, ki: True)
+    monkeypatch.setattr(gluon_kl, "check", lambda qi, ki: (True, "stubbed"))
     monkeypatch.setattr(gluon_kl, "launch_bwd", gluon)
     monkeypatch.setattr(klt, "_launch", lambda *args: launched.append("triton"))
-    monkeypatch.setattr(klt, "GLUON_BWD_FAILED", {})
-    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "auto")
+    monkeypatch.setattr(variants, "FAILED", {})
+    monkeypatch.setattr(variants, "_mode", "auto")
     T, K = 2, 4
     operands = (torch.zeros(T, 64, 128, dtype=torch.bfloat16), torch.zeros(3, 128, dtype=torch.bfloat16),
                 torch.zeros(T, 64), torch.zeros(T, 64, 512, dtype=torch.bfloat16),
@@ -628,11 +630,11 @@ def test_gluon_backward_dispatch(monkeypatch):
         return list(launched)
 
     assert run() == ["gluon"]
-    assert run(dict(GLUON=0)) == ["triton"]
+    assert run(dict(KERNEL="triton")) == ["triton"]
     assert run(g=None) == ["triton"]
-    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "triton")
+    monkeypatch.setattr(variants, "_mode", "triton")
     assert run() == ["triton"]
-    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "auto")
+    monkeypatch.setattr(variants, "_mode", "auto")
     failure.append(PTXASError("this Triton cannot build the Gluon kernel"))
     built = r"KL backward kernel \(_indexer_kl_bwd_gluon\) could not be built for D=128"
     with pytest.warns(RuntimeWarning, match=built):

@@ -28,6 +28,8 @@ import os
 import pytest
 import torch
 
+from dsv4attn import variants
+
 from tests.ops.interpreter import run_worker
 from tests.ops.kernel_checks import OpLog
 from tests.packs import build_pack, random_lengths
@@ -457,27 +459,27 @@ def test_select_tile_must_be_a_power_of_two():
 
 
 def test_score_kernel_choice(monkeypatch):
-    """SCORE_KERNEL: "auto" takes the Gluon score kernel only where it applies (and DSV4ATTN_FORWARD_KERNEL is not
+    """KERNEL: "auto" takes the Gluon score kernel only where it applies (and DSV4ATTN_KERNELS is not
     "triton", and it has not failed to build); "gluon" raises where it cannot run; other values are refused."""
     from dsv4attn.ops.indexer import gluon_hopper as gluon_scores
     from dsv4attn.ops.indexer import triton as ix_triton
     from dsv4attn.ops.sparse_attention import triton as sparse_triton
     q, k = torch.zeros(2, 64, 128, dtype=torch.bfloat16), torch.zeros(3, 128, dtype=torch.bfloat16)
-    monkeypatch.setattr(ix_triton, "GLUON_FAILED", {})
-    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "auto")
-    assert not ix_triton._use_gluon_scores(q, k, {"SCORE_KERNEL": "auto"})              # CPU tensors: not available
-    with pytest.raises(ValueError, match="SCORE_KERNEL='gluon' needs Gluon, an SM90 GPU"):
-        ix_triton._use_gluon_scores(q, k, {"SCORE_KERNEL": "gluon"})
-    monkeypatch.setattr(gluon_scores, "available", lambda q, k: True)
-    assert ix_triton._use_gluon_scores(q, k, {"SCORE_KERNEL": "auto"})
-    assert not ix_triton._use_gluon_scores(q, k, {"SCORE_KERNEL": "triton"})
-    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "triton")
-    assert not ix_triton._use_gluon_scores(q, k, {"SCORE_KERNEL": "auto"})
-    monkeypatch.setattr(sparse_triton, "FORWARD_KERNEL", "auto")
-    monkeypatch.setitem(ix_triton.GLUON_FAILED, (128, torch.bfloat16), "no build")
-    assert not ix_triton._use_gluon_scores(q, k, {"SCORE_KERNEL": "auto"})
-    with pytest.raises(ValueError, match="SCORE_KERNEL must be one of .*got 'fast'"):
-        ix_triton._tile_list(dict(ix_triton.CONFIG, SCORE_KERNEL="fast"))
+    monkeypatch.setattr(variants, "FAILED", {})
+    monkeypatch.setattr(variants, "_mode", "auto")
+    assert not ix_triton._use_gluon_scores(q, k, {"KERNEL": "auto"})              # CPU tensors: not available
+    with pytest.raises(ValueError, match="KERNEL='gluon' asked for the Gluon indexer score kernel"):
+        ix_triton._use_gluon_scores(q, k, {"KERNEL": "gluon"})
+    monkeypatch.setattr(gluon_scores, "check", lambda q, k: (True, "stubbed"))
+    assert ix_triton._use_gluon_scores(q, k, {"KERNEL": "auto"})
+    assert not ix_triton._use_gluon_scores(q, k, {"KERNEL": "triton"})
+    monkeypatch.setattr(variants, "_mode", "triton")
+    assert not ix_triton._use_gluon_scores(q, k, {"KERNEL": "auto"})
+    monkeypatch.setattr(variants, "_mode", "auto")
+    monkeypatch.setitem(variants.FAILED, ("indexer_topk", "scores", (128, torch.bfloat16)), "no build")
+    assert not ix_triton._use_gluon_scores(q, k, {"KERNEL": "auto"})
+    with pytest.raises(ValueError, match="KERNEL must be 'auto', 'gluon' or 'triton', got 'fast'"):
+        ix_triton._tile_list(dict(ix_triton.CONFIG, KERNEL="fast"))
 
 
 @needs_cuda
@@ -499,7 +501,7 @@ def test_cuda_gluon_score_orders_match_triton(values, producer, dtype, monkeypat
     calls = []
     real = gluon_scores.launch_orders
     monkeypatch.setattr(gluon_scores, "launch_orders", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(ix_triton, "GLUON_FAILED", {})
+    monkeypatch.setattr(variants, "FAILED", {})
     first, visible, _, _ = ix_triton.contiguous_ranges(candidates)
     rows = q.shape[0] - 5
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -510,9 +512,9 @@ def test_cuda_gluon_score_orders_match_triton(values, producer, dtype, monkeypat
     for kernel in ("gluon", "triton"):
         orders = torch.full((rows, width), 7, dtype=torch.int32, device="cuda")    # 7: "not written"
         got[kernel] = ix_triton._score_orders(q[:rows], k_shifted, w[:rows].float(), first[:rows], visible[:rows],
-                                              table, 3, width, dict(ix_triton.CONFIG, SCORE_KERNEL=kernel),
+                                              table, 3, width, dict(ix_triton.CONFIG, KERNEL=kernel),
                                               out=orders)
-    assert calls == [1] and not ix_triton.GLUON_FAILED, ix_triton.GLUON_FAILED
+    assert calls == [1] and not variants.FAILED, variants.FAILED
     seen = torch.arange(width, device="cuda")[None, :] < visible[:rows, None]
     assert torch.all(got["gluon"][~seen] == 7), f"wrote columns past a row's candidates (seed {seed})"
     if values == "int":
@@ -542,9 +544,9 @@ def test_cuda_misaligned_q_takes_the_triton_score_kernel():
     got = {}
     for name, qq, kernel in (("aligned", q, "gluon"), ("shifted", shifted, "auto")):
         got[name] = ix_triton._score_orders(qq, k, w, first, visible, None, 0, width,
-                                            dict(ix_triton.CONFIG, SCORE_KERNEL=kernel),
+                                            dict(ix_triton.CONFIG, KERNEL=kernel),
                                             out=torch.full((q.shape[0], width), 7, dtype=torch.int32, device="cuda"))
     assert torch.equal(got["aligned"], got["shifted"])
-    with pytest.raises(ValueError, match="SCORE_KERNEL='gluon' needs"):
+    with pytest.raises(ValueError, match="KERNEL='gluon' asked for"):
         ix_triton._score_orders(shifted, k, w, first, visible, None, 0, width,
-                                dict(ix_triton.CONFIG, SCORE_KERNEL="gluon"))
+                                dict(ix_triton.CONFIG, KERNEL="gluon"))

@@ -16,6 +16,7 @@ import pytest
 import torch
 import triton
 
+from dsv4attn import variants
 from dsv4attn.ops.index_sets import Explicit
 from dsv4attn.ops.sparse_attention import gluon_hopper, gluon_hopper_bwd
 from dsv4attn.ops.sparse_attention import triton as sat
@@ -98,9 +99,9 @@ def _stub_launches(monkeypatch, gluon_error):
         raise gluon_error
 
     launched = []
-    monkeypatch.setattr(sat, "GLUON_FAILED", {})
-    monkeypatch.setattr(sat, "FORWARD_KERNEL", "auto")
-    monkeypatch.setattr(gluon_hopper, "available", lambda q: True)
+    monkeypatch.setattr(variants, "FAILED", {})
+    monkeypatch.setattr(variants, "_mode", "auto")
+    monkeypatch.setattr(gluon_hopper, "check", lambda q: (True, "stubbed"))
     monkeypatch.setattr(gluon_hopper, "launch_fwd", broken)
     monkeypatch.setattr(sat, "_launch", lambda kernel, grid_of, q, config, args: launched.append((kernel, config)))
     q, kv = torch.zeros(2, 64, 128, dtype=torch.bfloat16), torch.zeros(3, 128, dtype=torch.bfloat16)
@@ -127,7 +128,7 @@ def test_auto_does_not_hide_errors_that_are_not_build_failures(monkeypatch):
     launched, args = _stub_launches(monkeypatch, ValueError("a bug, not a build failure"))
     with pytest.raises(ValueError, match="a bug"):
         sat._sparse_attn_fwd(*args)
-    assert launched == [] and sat.GLUON_FAILED == {}
+    assert launched == [] and variants.FAILED == {}
 
 
 def test_a_config_without_kernel_is_a_triton_config(monkeypatch):
@@ -139,12 +140,12 @@ def test_a_config_without_kernel_is_a_triton_config(monkeypatch):
 
 
 def test_forward_kernel_setting_is_validated(monkeypatch):
-    """FORWARD_KERNEL (from DSV4ATTN_FORWARD_KERNEL) picks the forward when no config is passed."""
+    """The kernel mode (DSV4ATTN_KERNELS, variants.set_kernels) picks the forward when no config is passed."""
     q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
-    monkeypatch.setattr(sat, "FORWARD_KERNEL", "triton")
+    monkeypatch.setattr(variants, "_mode", "triton")
     assert sat.forward_kernel(q) == "triton"
-    monkeypatch.setattr(sat, "FORWARD_KERNEL", "fast")
-    with pytest.raises(ValueError, match="DSV4ATTN_FORWARD_KERNEL.*got 'fast'"):
+    monkeypatch.setattr(variants, "_mode", "fast")
+    with pytest.raises(ValueError, match="DSV4ATTN_KERNELS.*got 'fast'"):
         sat.forward_kernel(q)
 
 
@@ -275,9 +276,9 @@ def _stub_bwd(monkeypatch, gluon_error=None):
         launched.append(("DELTA" if c.get("DELTA_PASS") else "") + ("DQ" if c.get("DO_DQ") else "")
                         + ("DKV" if c.get("DO_DKV") else "") + ("-det" if c.get("DETERMINISTIC") else ""))
 
-    monkeypatch.setattr(sat, "GLUON_BWD_FAILED", {})
-    monkeypatch.setattr(sat, "FORWARD_KERNEL", "auto")
-    monkeypatch.setattr(gluon_hopper_bwd, "available", lambda q: True)
+    monkeypatch.setattr(variants, "FAILED", {})
+    monkeypatch.setattr(variants, "_mode", "auto")
+    monkeypatch.setattr(gluon_hopper_bwd, "check", lambda q: (True, "stubbed"))
     monkeypatch.setattr(gluon_hopper_bwd, "launch", gluon)
     monkeypatch.setattr(sat, "_launch", triton_launch)
     monkeypatch.setattr(sat, "_delta_from_out", lambda out, g: torch.zeros(out.shape[:2]))
@@ -289,7 +290,7 @@ def _stub_bwd(monkeypatch, gluon_error=None):
 
 
 def test_default_backward_takes_the_one_pass_gluon_kernel_where_it_applies(monkeypatch):
-    """SM90 default: the one-pass Gluon backward alone; the deterministic mode, DSV4ATTN_FORWARD_KERNEL=triton, an
+    """SM90 default: the one-pass Gluon backward alone; the deterministic mode, DSV4ATTN_KERNELS=triton, an
     explicit Triton config and machines without the kernel run the Triton passes."""
     launched, args = _stub_bwd(monkeypatch)
     sat._sparse_attn_bwd(*args)
@@ -301,10 +302,10 @@ def test_default_backward_takes_the_one_pass_gluon_kernel_where_it_applies(monke
     sat._sparse_attn_bwd(*args, sat.BWD_CONFIGS[512])
     assert launched == ["DELTA", "DQ", "DKV"]
     launched.clear()
-    monkeypatch.setattr(sat, "FORWARD_KERNEL", "triton")
+    monkeypatch.setattr(variants, "_mode", "triton")
     sat._sparse_attn_bwd(*args)
-    monkeypatch.setattr(sat, "FORWARD_KERNEL", "auto")
-    monkeypatch.setattr(gluon_hopper_bwd, "available", lambda q: False)
+    monkeypatch.setattr(variants, "_mode", "auto")
+    monkeypatch.setattr(gluon_hopper_bwd, "check", lambda q: (False, "stubbed"))
     sat._sparse_attn_bwd(*args)
     assert launched == ["DELTA", "DQ", "DKV"] * 2
 
@@ -313,7 +314,7 @@ def test_gluon_backward_build_failure_falls_back_to_the_triton_passes_once(monke
     launched, args = _stub_bwd(monkeypatch, PTXASError("this Triton cannot build the Gluon kernel"))
     with pytest.warns(RuntimeWarning, match=r"Gluon sparse-attention backward kernel \(_sparse_attn_bwd_gluon\) could not be built for D=512"):
         sat._sparse_attn_bwd(*args)
-    assert launched == ["gluon (failed)", "DELTA", "DQ", "DKV"] and (512, torch.bfloat16) in sat.GLUON_BWD_FAILED
+    assert launched == ["gluon (failed)", "DELTA", "DQ", "DKV"] and ("sparse_attention", "backward", (512, torch.bfloat16)) in variants.FAILED
     with warnings.catch_warnings():
         warnings.simplefilter("error")                                    # not tried again, no second warning
         sat._sparse_attn_bwd(*args)
@@ -325,7 +326,7 @@ def test_gluon_backward_does_not_hide_errors_that_are_not_build_failures(monkeyp
     launched, args = _stub_bwd(monkeypatch, ValueError("a bug, not a build failure"))
     with pytest.raises(ValueError, match="a bug"):
         sat._sparse_attn_bwd(*args)
-    assert launched == ["gluon (failed)"] and sat.GLUON_BWD_FAILED == {}
+    assert launched == ["gluon (failed)"] and variants.FAILED == {}
 
 
 def test_gluon_backward_config_keys_are_checked():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dsv4attn
+from dsv4attn import variants
 from dsv4attn import backend
 from dsv4attn.ops import Explicit, sparse_attention
 from dsv4attn.ops.sparse_attention.reference import (reference_backward, reference_forward,
@@ -105,7 +106,7 @@ def forward_impl(request, monkeypatch):
     """Runs a test once per forward kernel this machine has."""
     from dsv4attn.ops.sparse_attention import triton as sat
 
-    monkeypatch.setattr(sat, "FORWARD_KERNEL", request.param)
+    monkeypatch.setattr(variants, "_mode", request.param)
     return request.param
 
 
@@ -138,7 +139,7 @@ def test_deterministic_backward_is_bitwise_repeatable_v4(with_length, monkeypatc
 
     # Atomic vs deterministic below compares the Triton passes in both modes (the one-pass Gluon backward forms
     # Delta from the bf16 output, so its dq and d_sink differ from the Triton passes' by more than summation order).
-    monkeypatch.setattr(sat, "FORWARD_KERNEL", "triton")
+    monkeypatch.setattr(variants, "_mode", "triton")
     q, kv, idx, sink, grad_out, length = make_inputs(**V4, seed=1)
     kwargs = dict(deterministic=True, topk_length=length if with_length else None)
     runs = [run(op(idx, **kwargs), q, kv, sink, grad_out) for _ in range(3)]

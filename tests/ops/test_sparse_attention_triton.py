@@ -12,7 +12,7 @@ reference's own error is ~0 (lse, exactly representable cases).
 Also checked here: ``deterministic=True`` (atomic-free backward: bitwise repeatable, equal to the atomic backward
 up to fp32 summation order, within the same bounds against float64; with several row chunks and head blocks) and
 ``topk_length`` (identical to masking the indices by hand), and every backward layout (``LAYOUT`` in
-``triton.BWD_PASSES`` and the first, sliced version) at launcher level: several kv blocks per row, two head blocks,
+``triton.FUSED``, ``FUSED2``, ``SPLIT``, ``SPLIT3``) at launcher level: several kv blocks per row, two head blocks,
 empty rows, repeated indices, dKV in column chunks, atomic and deterministic. The same checks at V4 shapes on a
 GPU are in ``test_sparse_attention_gpu.py``.
 """
@@ -68,17 +68,15 @@ LAYOUT_CASES = {
     "bf16-H70-K70": _case("bf16", 70, T=5, K=70, N=90),
     "fp32-H5-D128-K70": _case("fp32", 5, T=6, D=128, K=70, N=90),
 }
-LAYOUTS = ("sliced", "fused", "fused2", "split", "split3")
+LAYOUTS = ("FUSED", "FUSED2", "SPLIT", "SPLIT3")
 LAYOUT_DET_ROWS = 3                                                   # rows per deterministic buffer chunk
 
 
 def _layout_config(sa_triton, layout, D):
-    if layout == "sliced":
-        return dict(sa_triton.SLICED_BWD_CONFIGS[D], BLOCK_N=16, RELAXED=True)
-    config = dict(LAYOUT=layout, BLOCK_N=16, num_warps=4, num_stages=1, RELAXED=True)
-    if layout == "split":
+    config = dict(LAYOUT=getattr(sa_triton, layout), BLOCK_N=16, num_warps=4, num_stages=1, RELAXED=True)
+    if layout == "SPLIT":
         config["DKV"] = dict(BLOCK_N=32)                              # a per-pass override
-    if layout in ("fused", "split3"):
+    if layout in ("FUSED", "SPLIT3"):
         config["DKV_BLOCK_D"] = 32                                    # the dKV tile in column chunks
     return config
 

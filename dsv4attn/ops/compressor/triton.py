@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import backend
+from ... import backend, variants
 from ..triton_common import interpreting, round_to
 from ...packing import CompressedLayout
 from .reference import compress_pool_reference
@@ -401,6 +401,10 @@ def compress_pool_triton(kv: torch.Tensor, gate: torch.Tensor, position_bias: to
     return out
 
 
+variants.register("compress_pool", "forward", variants.Variant(
+    "triton", "compress-pool forward kernel (_compress_pool_fwd_kernel)", variants.always, variants.always))
+variants.register("compress_pool", "backward", variants.Variant(
+    "triton", "compress-pool backward kernel (_compress_pool_bwd_kernel)", variants.always, variants.always))
 backend.register_kernel("compress_pool", compress_pool_triton)
 
 __all__ = ["compress_pool_triton", "compress_pool_op", "compress_pool_backward_op", "kernel_supports",

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ..gluon_common import (IMPORTED, TensorDescriptor, async_copy, async_load, fence_async_shared, gl, gluon,
+from ..gluon_common import (IMPORTED, TensorDescriptor, half_precision, sm90, async_copy, async_load, fence_async_shared, gl, gluon,
                             mbarrier, mbarriers, thread_barrier, tma_load, warpgroup_mma)
 
 BLOCK_T, BLOCK_E, HEADS, HEAD_DIM = 64, 256, 64, 128
@@ -45,14 +45,21 @@ CONFIG = dict(STAGES=4, TMA=True, REGS=None)
 DEFAULT_REGS = {True: (216, 24), False: (216, 40)}          # key: CONFIG["TMA"]
 
 
-def available(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """True when :func:`launch_orders` can run: Gluon imported, SM90, bf16/fp16 q and k of one dtype, the Flash
+def check(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, str]:
+    """(usable, reason) of :func:`launch_orders`: Gluon imported, SM90, bf16/fp16 q and k of one dtype, the Flash
     indexer geometry (64 heads of 128), 16-byte aligned bases (TMA descriptors and 16-byte cp.async copies)."""
-    if not IMPORTED or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if k.dtype != q.dtype or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return tuple(q.shape[1:]) == (HEADS, HEAD_DIM) and q.data_ptr() % 16 == 0 and k.data_ptr() % 16 == 0
+    for usable, reason in (sm90(q.device), half_precision(q, k)):
+        if not usable:
+            return usable, reason
+    if tuple(q.shape[1:]) != (HEADS, HEAD_DIM):
+        return False, f"needs {HEADS} index heads of {HEAD_DIM}, got {tuple(q.shape[1:])}"
+    if q.data_ptr() % 16 or k.data_ptr() % 16:
+        return False, "needs 16-byte aligned q and k"
+    return True, ""
+
+
+def available(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return check(q, k)[0]
 
 
 if IMPORTED:

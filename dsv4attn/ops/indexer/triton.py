@@ -17,7 +17,7 @@ memory is O(T * topk + chunk), not O(T^2)):
    a fp32 accumulator, then writes, in row-relative coordinates ``j = entry - first[t] < visible[t]``, the int32
    ``order(score)``: the fp32 bits mapped to an int32 with the same order. Columns ``j >= visible[t]`` are not
    written (the select kernel never reads them). On SM90, for bf16/fp16 and the Flash indexer geometry, the
-   warp-specialised Gluon kernel of :mod:`.gluon_hopper` writes the same orders (config ``SCORE_KERNEL``).
+   warp-specialised Gluon kernel of :mod:`.gluon_hopper` writes the same orders (config ``KERNEL``).
 2. ``_topk_select_kernel``: streams over each query row's ``visible[t]`` orders in tiles of ``TILE`` columns (one
    row per program when rows are long; several, as (rows, TILE) tiles, when they are short). The best K of a row are
    the K largest sort keys ``order << 32 | (2^32 - 1 - j)`` (distinct in a row: larger = higher score, and among
@@ -54,34 +54,29 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
-
-from ... import backend
-from ..triton_common import dot, dot_mode, interpreting
+from ... import backend, variants
+from ..gluon_common import sm90
+from ..triton_common import dot, dot_mode, interpreting, launch_fitting
 from ..index_sets import IndexSet, Rows, Stack, VisibleCompressed, chunk_rows
 from .reference import indexer_topk_reference
 from . import gluon_hopper as gluon_scores
-from ..sparse_attention import triton as sparse_triton
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Score kernel: BLOCK_T query rows x BLOCK_E entries per program. Select kernel: at most SELECT_TILE columns per tile,
 # (rows x columns) tiles of SELECT_BLOCK elements (several rows per program when rows are short), SELECT_WARPS.
 # Benchmarks may pass another config.
 CONFIG = dict(BLOCK_T=64, BLOCK_E=128, num_warps=8, num_stages=3, SELECT_TILE=1024, SELECT_BLOCK=1024,
-              SELECT_WARPS=4, SCORE_KERNEL="auto")
-# SCORE_KERNEL: "auto" (the Gluon score kernel of :mod:`.gluon_hopper` on SM90 where it applies, else the Triton one),
-# "gluon" or "triton"; passed to the custom op as its index in this tuple.
-SCORE_KERNELS = ("auto", "gluon", "triton")
+              SELECT_WARPS=4, KERNEL="auto")
+# KERNEL: the score kernel, "auto" (:mod:`dsv4attn.variants`: the Gluon score kernel of :mod:`.gluon_hopper` on SM90
+# where it applies, else the Triton one), "gluon" or "triton"; passed to the custom op as its variants.MODES index.
 # The order in which the op's ``tiles`` argument lists a config (a custom op's schema takes no dicts).
 TILE_KEYS = ("BLOCK_T", "BLOCK_E", "num_warps", "num_stages", "SELECT_TILE", "SELECT_BLOCK", "SELECT_WARPS",
-             "SCORE_KERNEL")
+             "KERNEL")
 # int32 words of one chunk's buffers (the orders, and the select kernel's int64 scratch): 2^27 words = 512 MiB.
 ORDER_BUDGET = 1 << 27
 INT32_MIN = tl.constexpr(-2**31)
 INT64_MIN = tl.constexpr(-2**63)
 NEG_INF_ORDER = tl.constexpr(-2139095041)      # order(-inf): 0xFF800000 with the low 31 bits flipped, as int32
-# (Di, dtype) -> why the Gluon score kernel could not be built here ("auto" then uses the Triton kernel).
-GLUON_FAILED: dict = {}
 
 
 @triton.jit
@@ -297,44 +292,39 @@ def _score_orders(q, k, w, first, visible, table, shift: int, width: int, config
             gluon_scores.launch_orders(q, k, w, first, visible, table, shift, width, orders)
             return orders
         except Exception as exc:
-            if config.get("SCORE_KERNEL") == "gluon":      # an explicit request raises
+            if variants.strict(config.get("KERNEL")):      # "gluon" asked for: raise
                 raise
-            sparse_triton.note_gluon_build_failure(exc, GLUON_FAILED, q.shape[2], q.dtype,
-                                                   "indexer score kernel (_indexer_orders_gluon)",
-                                                   "using the Triton kernel")
-    launch = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
-    block_t, block_e = config["BLOCK_T"], config["BLOCK_E"]
-    # A block of rows spans at most width + BLOCK_T / 4 entries past its first row's first entry (module doc).
-    grid = (triton.cdiv(2 * width + block_t, block_e), triton.cdiv(rows_c, block_t))
+            variants.note_gluon_build_failure(exc, "indexer_topk", "scores", (q.shape[2], q.dtype),
+                                              "using the Triton kernel")
+    block_t = config["BLOCK_T"]
     mode = dot_mode(q.dtype)
     table_arg = table if table is not None else first                     # any pointer; unused without a table
-    while True:
-        try:
-            _indexer_orders_kernel[grid](
-                q, k, w, first, visible, table_arg, orders, rows_c, H, Di, width, shift,
-                BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=max(16, triton.next_power_of_2(Di)),
-                HAS_TABLE=table is not None, DOT_MODE=mode, **launch)
-            return orders
-        except OutOfResources:   # shared memory of this GPU (e.g. fp32 tiles): fewer stages, then fewer entries
-            if launch["num_stages"] > 1:
-                launch["num_stages"] -= 1
-            elif block_e > 16:
-                block_e //= 2
-                grid = (triton.cdiv(2 * width + block_t, block_e), grid[1])
-            else:
-                raise
+
+    def launch(fit):
+        num_stages, block_e = fit
+        # A block of rows spans at most width + BLOCK_T / 4 entries past its first row's first entry (module doc).
+        grid = (triton.cdiv(2 * width + block_t, block_e), triton.cdiv(rows_c, block_t))
+        _indexer_orders_kernel[grid](
+            q, k, w, first, visible, table_arg, orders, rows_c, H, Di, width, shift,
+            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_D=max(16, triton.next_power_of_2(Di)),
+            HAS_TABLE=table is not None, DOT_MODE=mode, num_warps=config["num_warps"], num_stages=num_stages)
+
+    def smaller(fit):   # shared memory of this GPU (e.g. fp32 tiles): fewer stages, then fewer entries
+        num_stages, block_e = fit
+        if num_stages > 1:
+            return num_stages - 1, block_e
+        return (num_stages, block_e // 2) if block_e > 16 else None
+
+    launch_fitting(launch, (config["num_stages"], config["BLOCK_E"]), smaller)
+    return orders
 
 
 def _use_gluon_scores(q, k, config: dict) -> bool:
-    """The Gluon score kernel (:mod:`.gluon_hopper`) under ``config["SCORE_KERNEL"]`` "auto" where it applies and has
-    not failed to build (DSV4ATTN_FORWARD_KERNEL=triton keeps it out), always under "gluon", never under "triton"."""
-    choice = config.get("SCORE_KERNEL", "auto")
-    if choice == "gluon" and not gluon_scores.available(q, k):
-        raise ValueError("indexer top-k config: SCORE_KERNEL='gluon' needs Gluon, an SM90 GPU, bf16/fp16 q and k of "
-                         "one dtype, 64 heads of 128 and 16-byte aligned q and k; got q "
-                         f"{tuple(q.shape)} {q.dtype} (base % 16 = {q.data_ptr() % 16}), k {k.dtype} on {q.device}")
-    return choice == "gluon" or (choice == "auto" and sparse_triton.FORWARD_KERNEL != "triton"
-                                 and gluon_scores.available(q, k) and (q.shape[2], q.dtype) not in GLUON_FAILED)
+    """The Gluon score kernel (:mod:`.gluon_hopper`) as :mod:`dsv4attn.variants` chooses under ``config["KERNEL"]``:
+    "auto" where it applies and has not failed to build (``DSV4ATTN_KERNELS=triton`` keeps it out), always under
+    "gluon" (raising where it cannot run), never under "triton"."""
+    return variants.choose("indexer_topk", "scores", (q.shape[2], q.dtype), q, k,
+                           request=config.get("KERNEL", "auto")) == "gluon"
 
 
 def _select_width(topk: int) -> int:
@@ -397,7 +387,7 @@ def indexer_topk_ranges_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
     q, k, w = q.contiguous(), k.contiguous(), weights.float().contiguous()
     first, visible = first.contiguous(), visible.contiguous()
     table = None if table is None else table.contiguous()
-    config = dict(zip(TILE_KEYS, tiles), SCORE_KERNEL=SCORE_KERNELS[tiles[TILE_KEYS.index("SCORE_KERNEL")]])
+    config = dict(zip(TILE_KEYS, tiles), KERNEL=variants.MODES[tiles[TILE_KEYS.index("KERNEL")]])
     with backend.exact_math(q.device):
         for s, e in query_chunks(T, width, out_width, budget):
             orders = _score_orders(q[s:e], k, w[s:e], first[s:e], visible[s:e], table, shift, width, config)
@@ -412,11 +402,8 @@ def _indexer_topk_ranges_fake(q, k, weights, first, visible, table, shift, width
 
 
 def _tile_list(config: dict) -> list[int]:
-    """The op's ``tiles`` argument: the config's values in TILE_KEYS order (SCORE_KERNEL as its SCORE_KERNELS index)."""
-    if config["SCORE_KERNEL"] not in SCORE_KERNELS:
-        raise ValueError(f"indexer top-k config: SCORE_KERNEL must be one of {SCORE_KERNELS}, got "
-                         f"{config['SCORE_KERNEL']!r}")
-    return [SCORE_KERNELS.index(config[key]) if key == "SCORE_KERNEL" else int(config[key]) for key in TILE_KEYS]
+    """The op's ``tiles`` argument: the config's values in TILE_KEYS order (KERNEL as its variants.MODES index)."""
+    return [variants.mode_index(config[key]) if key == "KERNEL" else int(config[key]) for key in TILE_KEYS]
 
 
 def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, candidates: IndexSet,
@@ -455,6 +442,13 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
                                   _tile_list(config), budget or ORDER_BUDGET)
 
 
+variants.register(
+    "indexer_topk", "scores",
+    variants.Variant("gluon", "indexer score kernel (_indexer_orders_gluon)", lambda q, k: gluon_scores.check(q, k),
+                     sm90),
+    variants.Variant("triton", "indexer score kernel (_indexer_orders_kernel)", variants.always, variants.always))
+variants.register("indexer_topk", "select", variants.Variant("triton", "top-k select kernel (_topk_select_kernel)",
+                                                             variants.always, variants.always))
 backend.register_kernel("indexer_topk", indexer_topk_triton)
 
 __all__ = ["indexer_topk_triton", "indexer_topk_ranges_op", "contiguous_ranges", "query_chunks", "TILE_KEYS"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..gluon_common import (IMPORTED, async_copy, async_load, fence_async_shared, gather_rows, gl, gluon, mbarrier,
+from ..gluon_common import (IMPORTED, half_precision, sm90, async_copy, async_load, fence_async_shared, gather_rows, gl, gluon, mbarrier,
                             mbarriers, warpgroup_mma)
 
 HEADS, HEAD_DIM = 64, 128
@@ -29,13 +29,18 @@ HEADS, HEAD_DIM = 64, 128
 CONFIG = dict(BLOCK_N=32, STAGES=4, REGS=(216, 40))
 
 
+def check(qi: torch.Tensor, ki: torch.Tensor) -> tuple[bool, str]:
+    """(usable, reason) of :func:`launch_bwd`: Gluon, SM90, bf16/fp16 qi and ki of one dtype, 64 heads of 128."""
+    for usable, reason in (sm90(qi.device), half_precision(qi, ki)):
+        if not usable:
+            return usable, reason
+    if tuple(qi.shape[1:]) != (HEADS, HEAD_DIM):
+        return False, f"needs {HEADS} index heads of {HEAD_DIM}, got {tuple(qi.shape[1:])}"
+    return True, ""
+
+
 def available(qi: torch.Tensor, ki: torch.Tensor) -> bool:
-    """True when :func:`launch_bwd` can run: Gluon, SM90, bf16/fp16 qi and ki of one dtype, 64 heads of 128."""
-    if not IMPORTED or not qi.is_cuda or qi.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if ki.dtype != qi.dtype or torch.cuda.get_device_capability(qi.device)[0] != 9:
-        return False
-    return tuple(qi.shape[1:]) == (HEADS, HEAD_DIM)
+    return check(qi, ki)[0]
 
 
 if IMPORTED:

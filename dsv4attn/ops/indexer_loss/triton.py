@@ -59,13 +59,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
-
-from ... import backend
+from ... import backend, variants
+from ..gluon_common import sm90
 from ..sparse_attention import gluon_hopper
 from . import gluon_hopper as gluon_kl
-from ..sparse_attention import triton as sparse_triton
-from ..triton_common import dot, dot_mode, interpreting, round_to
+from ..triton_common import dot, dot_mode, interpreting, launch_fitting, round_to
 from ..index_sets import Explicit, IndexSet, chunk_rows
 from .reference import FLT_MIN, indexer_kl_reference
 
@@ -82,16 +80,16 @@ FWD_CONFIG = dict(ONE_BLOCK_MAX_N=0, BLOCK_N=64, BLOCK_HT=64, BLOCK_HI=64, BLOCK
 # Backward tiles: every index head in one tile (d index_q accumulates in registers), BLOCK_N candidates per step.
 # SPLIT_DX: for bf16/fp16 inputs, feed dKL/dx to the gradient matmuls as hi + lo parts (two tensor-core dots each):
 # one bf16-rounded dx alone gives d index_k errors ~3.5x the reference's own (final rounding only) on small tests.
-# GLUON: 1 runs the saved-gradient backward (the sparse phase) as the SM90 Gluon kernel of :mod:`.gluon_hopper` where it
-# applies (bf16/fp16, 64 index heads of 128; not under DSV4ATTN_FORWARD_KERNEL=triton), 0 never.
-BWD_CONFIG = dict(BLOCK_N=64, BLOCK_D=64, SPLIT_DX=True, num_warps=8, num_stages=2, GLUON=1)
+# KERNEL: the saved-gradient backward (the sparse phase), "auto" (:mod:`dsv4attn.variants`: the SM90 Gluon kernel of
+# :mod:`.gluon_hopper` where it applies, bf16/fp16, 64 index heads of 128), "gluon" or "triton" (the Triton kernel).
+BWD_CONFIG = dict(BLOCK_N=64, BLOCK_D=64, SPLIT_DX=True, num_warps=8, num_stages=2, KERNEL="auto")
 # Rows at most this wide save dKL/dI (fp32, 4 bytes per slot) for the backward; wider rows recompute the teacher.
 SAVE_G_MAX_WIDTH = 1024
 # int32 candidate slots materialised per chunk of query rows (the sparse phase at T = 32K, K = 512: one chunk).
 INDEX_BUDGET = 1 << 25
 # The order in which the ops' ``fwd_tiles`` / ``bwd_tiles`` arguments list a config (custom op schemas take no dicts).
 FWD_KEYS = ("ONE_BLOCK_MAX_N", "BLOCK_N", "BLOCK_HT", "BLOCK_HI", "BLOCK_D", "num_warps", "num_stages")
-BWD_KEYS = ("BLOCK_N", "BLOCK_D", "SPLIT_DX", "num_warps", "num_stages", "GLUON")
+BWD_KEYS = ("BLOCK_N", "BLOCK_D", "SPLIT_DX", "num_warps", "num_stages", "KERNEL")
 
 
 @triton.jit
@@ -447,17 +445,14 @@ def _pow2(n: int, least: int = 16) -> int:
 
 def _launch(kernel, rows: int, args: tuple, meta: dict, launch: dict, shrink) -> None:
     """Launch ``kernel`` on one program per row, shrinking the tiles if this GPU's shared memory is too small."""
-    while True:
-        try:
-            kernel[(rows,)](*args, **meta, **launch)
-            return
-        except OutOfResources:
-            if launch["num_stages"] > 1:
-                launch = dict(launch, num_stages=launch["num_stages"] - 1)
-                continue
-            meta = shrink(meta)
-            if meta is None:
-                raise
+    def smaller(fit):
+        fit_meta, fit_launch = fit
+        if fit_launch["num_stages"] > 1:
+            return fit_meta, dict(fit_launch, num_stages=fit_launch["num_stages"] - 1)
+        fit_meta = shrink(fit_meta)
+        return None if fit_meta is None else (fit_meta, fit_launch)
+
+    launch_fitting(lambda fit: kernel[(rows,)](*args, **fit[0], **fit[1]), (meta, launch), smaller)
 
 
 def _fwd_meta(K: int, H: int, D: int, Hi: int, Di: int, cfg: dict) -> dict:
@@ -590,8 +585,8 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
                 BLOCK_DI=_pow2(Di), BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)), HAS_G=has_g,
                 SPLIT_DX=bool(cfg.get("SPLIT_DX", True)) and qi.dtype != torch.float32,
                 DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype), FULL=full)
-    gluon = (has_g and bool(cfg.get("GLUON", 1)) and sparse_triton.FORWARD_KERNEL != "triton"
-             and gluon_kl.available(qi, ki) and (Di, qi.dtype) not in GLUON_BWD_FAILED)
+    request = cfg.get("KERNEL", "auto")
+    gluon = has_g and variants.choose("indexer_kl", "backward", (Di, qi.dtype), qi, ki, request=request) == "gluon"
     for s, e, idx, n_end in chunks:
         if gluon and e > s:
             try:
@@ -599,9 +594,10 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
                                     meta["SPLIT_DX"])
                 continue
             except Exception as exc:
-                sparse_triton.note_gluon_build_failure(exc, GLUON_BWD_FAILED, Di, qi.dtype,
-                                                       "KL backward kernel (_indexer_kl_bwd_gluon)",
-                                                       "using the Triton kernel")
+                if variants.strict(request):
+                    raise
+                variants.note_gluon_build_failure(exc, "indexer_kl", "backward", (Di, qi.dtype),
+                                                  "using the Triton kernel")
                 gluon = False
         _launch(_indexer_kl_bwd_kernel, e - s,
                 (qi[s:e], ki, w[s:e], qm[s:e], ckv, idx, n_end, grad[s:e], g_buf[s:e] if has_g else grad,
@@ -610,29 +606,21 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
     return d_qi, d_ki, d_w
 
 
-# (Di, dtype) -> why the Gluon KL backward could not be built here (the Triton kernel then runs).
-GLUON_BWD_FAILED: dict = {}
-# (D, dtype) -> why the Gluon teacher-mass kernel could not be built here (the Triton kernel then forms the mass).
-GLUON_MASS_FAILED: dict = {}
-
-
 def _gluon_teacher_mass(operands, idx: torch.Tensor, full_lse: torch.Tensor, scale: float) -> torch.Tensor | None:
     """The teacher mass (T, K) fp32 from the Gluon SM90 kernel (the attention forward's gather ring), or None where
     it does not apply (not SM90; fp32, incl. mixed q / C dtypes widened to fp32; H % 64; D; T or K = 0),
-    is switched off (DSV4ATTN_FORWARD_KERNEL=triton) or could not be built."""
+    is switched off (DSV4ATTN_KERNELS=triton) or could not be built."""
     _, _, _, qm, ckv = operands
     T, H, D = qm.shape
-    key = (D, qm.dtype)
-    # DSV4ATTN_FORWARD_KERNEL=triton keeps every Gluon kernel out, this one included.
-    if (T == 0 or idx.shape[1] == 0 or key in GLUON_MASS_FAILED or sparse_triton.FORWARD_KERNEL == "triton"
-            or not gluon_hopper.available(qm)):
+    if T == 0 or idx.shape[1] == 0 or variants.choose("indexer_kl", "teacher_mass", (D, qm.dtype), qm) != "gluon":
         return None
     try:
         return gluon_hopper.teacher_mass(qm, ckv, idx, full_lse, scale)
     except Exception as exc:
-        sparse_triton.note_gluon_build_failure(exc, GLUON_MASS_FAILED, D, qm.dtype,
-                                               "teacher-mass kernel (_teacher_mass_gluon)",
-                                               "the Triton KL kernel forms the mass")
+        if variants.strict():
+            raise
+        variants.note_gluon_build_failure(exc, "indexer_kl", "teacher_mass", (D, qm.dtype),
+                                          "the Triton KL kernel forms the mass")
         return None
 
 
@@ -689,7 +677,7 @@ def indexer_kl_backward_op(grad_kl: torch.Tensor, index_q: torch.Tensor, index_k
         d_qi, d_ki, d_w = _kl_backward(grad_kl, _operands(index_q, index_k, index_weights, q, compressed_kv), full2,
                                        rowstat, g if g.shape[0] == T else None,
                                        [(0, T, idx, n_end.contiguous())] if T else [], K, scale,
-                                       dict(zip(BWD_KEYS, bwd_tiles)), full)
+                                       _bwd_config(bwd_tiles), full)
     return d_qi.to(index_q.dtype), d_ki[:index_k.shape[0]].to(index_k.dtype), d_w.to(index_weights.dtype)
 
 
@@ -752,7 +740,7 @@ class _IndexerKLTriton(torch.autograd.Function):
 
 def _tiles(config: dict | None, default: dict, keys: tuple[str, ...]) -> list[int]:
     merged = dict(default, **(config or {}))
-    return [int(merged[key]) for key in keys]
+    return [variants.mode_index(merged[key]) if key == "KERNEL" else int(merged[key]) for key in keys]
 
 
 def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
@@ -791,10 +779,27 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
         return indexer_kl_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, idx.to(torch.int32),
                              float(scale), save_g, fwd_tiles, bwd_tiles, bool(full))[0]
     return _IndexerKLTriton.apply(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates,
-                                  float(scale), dict(zip(FWD_KEYS, fwd_tiles)), dict(zip(BWD_KEYS, bwd_tiles)),
+                                  float(scale), dict(zip(FWD_KEYS, fwd_tiles)), _bwd_config(bwd_tiles),
                                   bool(full))
 
 
+def _bwd_config(bwd_tiles) -> dict:
+    config = dict(zip(BWD_KEYS, bwd_tiles))
+    return dict(config, KERNEL=variants.MODES[config["KERNEL"]])
+
+
+variants.register("indexer_kl", "forward", variants.Variant("triton", "KL forward kernel (_indexer_kl_fwd_kernel)",
+                                                            variants.always, variants.always))
+variants.register(
+    "indexer_kl", "teacher_mass",
+    variants.Variant("gluon", "teacher-mass kernel (_teacher_mass_gluon)", lambda qm: gluon_hopper.check(qm), sm90),
+    variants.Variant("triton", "teacher mass inside the KL forward kernel (_indexer_kl_fwd_kernel)",
+                     variants.always, variants.always))
+variants.register(
+    "indexer_kl", "backward",
+    variants.Variant("gluon", "KL backward kernel (_indexer_kl_bwd_gluon)", lambda qi, ki: gluon_kl.check(qi, ki),
+                     sm90),
+    variants.Variant("triton", "KL backward kernel (_indexer_kl_bwd_kernel)", variants.always, variants.always))
 backend.register_kernel("indexer_kl", indexer_kl_triton)
 
 __all__ = ["indexer_kl_triton", "indexer_kl_op", "indexer_kl_backward_op", "FWD_CONFIG", "BWD_CONFIG", "FWD_KEYS",

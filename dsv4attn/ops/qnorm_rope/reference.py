@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from ...norms import rms_norm_unweighted
 from ...rope import apply_rope
 
 
 def qnorm_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float
                          ) -> torch.Tensor:
     """``apply_rope(rms_norm_unweighted(x, eps), positions, inv_freq)``: (T, H, D) -> (T, H, D) in ``x.dtype``."""
-    # Imported here: dsv4attn.layers imports dsv4attn.ops, so a module-level import would be circular.
-    from ...layers.common import rms_norm_unweighted
     return apply_rope(rms_norm_unweighted(x, eps), positions, inv_freq)
 
 

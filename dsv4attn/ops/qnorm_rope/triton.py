@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import backend
+from ... import backend, variants
 from ..triton_common import interpreting, round_to
 from ...rope import rope_cos_sin
 from .reference import inverse_rope_reference, qnorm_rope_reference, rope_rotate_reference
@@ -257,6 +257,12 @@ def inverse_rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torc
     return _rotate_triton(x, positions, inv_freq, True, inverse_rope_reference)
 
 
+for _op, _bwd in (("qnorm_rope", "_qnorm_rope_bwd_kernel"), ("rope_rotate", "_rope_fwd_kernel"),
+                 ("inverse_rope", "_rope_fwd_kernel")):
+    variants.register(_op, "forward", variants.Variant("triton", f"{_op} kernel (_rope_fwd_kernel)", variants.always,
+                                                       variants.always))
+    variants.register(_op, "backward", variants.Variant("triton", f"{_op} backward ({_bwd})", variants.always,
+                                                        variants.always))
 backend.register_kernel("qnorm_rope", qnorm_rope_triton)
 backend.register_kernel("rope_rotate", rope_rotate_triton)
 backend.register_kernel("inverse_rope", inverse_rope_triton)

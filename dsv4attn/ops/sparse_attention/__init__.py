@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from ... import backend, checks
-from ..index_sets import IndexSet, chunk_rows, within
-from .op import limit_slots, sparse_attention_op
+from ..index_sets import IndexSet, within
+from .op import run
 from .reference import sparse_attention_naive, sparse_attention_reference
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -75,23 +75,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
     else:
         indices = within(indices, kv.shape[0])
 
-    impl = backend.choose("sparse_attention", q.device)
-    if impl == "triton" and (not _triton_kernels.kernel_supports(q) or kv.shape[0] == 0):
-        impl = "reference"          # float64, other head dims, no key row at all: the kernels have no such path
-    with backend.exact_math(q.device):
-        if isinstance(indices, IndexSet):
-            index_set = indices if topk_length is None else _FirstSlots(indices, topk_length)
-            if impl == "reference":                 # chunk by chunk: never materialises (T, K) indices
-                return sparse_attention_reference(q, kv, index_set, attn_sink, scale)
-            # The kernels take (rows, K) tensors: materialise them one chunk of query rows at a time, so that a
-            # wide set (every visible compressed entry of a long document) never becomes a (T, K) tensor.
-            parts = [sparse_attention_op(q[s:e], kv, index_set.rows(s, e).to(torch.int32), attn_sink, scale, None,
-                                         deterministic, impl)
-                     for s, e in chunk_rows(T, width, device=q.device)]
-            if len(parts) == 1:
-                return parts[0]
-            return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
-        return sparse_attention_op(q, kv, indices, attn_sink, scale, topk_length, deterministic, impl)
+    if backend.choose("sparse_attention", q.device) == "triton":
+        return backend.kernel("sparse_attention")(q, kv, indices, attn_sink, scale, topk_length=topk_length,
+                                                  deterministic=deterministic)
+    return run(q, kv, indices, attn_sink, scale, topk_length, deterministic, "reference")
 
 
 def _check_topk_length_range(topk_length: torch.Tensor, width: int) -> None:
@@ -103,20 +90,9 @@ def _check_topk_length_range(topk_length: torch.Tensor, width: int) -> None:
                          f"got values in [{lo}, {hi}]")
 
 
-class _FirstSlots(IndexSet):
-    """``base`` with slots ``k >= lengths[t]`` of row t empty: ``topk_length`` applied to a lazy index set."""
-
-    def __init__(self, base: IndexSet, lengths: torch.Tensor):
-        self.base, self.lengths = base, lengths
-        self.width, self.total_rows, self.bound = base.width, base.total_rows, base.bound
-
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        return limit_slots(self.base.rows(start, end), self.lengths[start:end])
-
-
 try:  # registers the Triton kernel with the backend (used on CUDA); CPU-only installs run the reference
-    from . import triton as _triton_kernels
+    from . import triton as _triton_kernels  # noqa: F401
 except ImportError:
-    _triton_kernels = None
+    pass
 
 __all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_naive"]

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import torch
 
-from ..gluon_common import (BLOCK_H, IMPORTED, async_copy, copy_heads, fence_async_shared, gl, gluon, mbarrier,
-                            mbarriers, program_row, ring_gather, store_heads, warpgroup_mma, warpgroup_mma_wait)
+from ..gluon_common import (BLOCK_H, IMPORTED, async_copy, copy_heads, fence_async_shared, gl, gluon, half_precision,
+                            mbarrier, mbarriers, program_row, ring_gather, sm90, store_heads, warpgroup_mma,
+                            warpgroup_mma_wait)
 
 LOG2E = 1.4426950408889634
 # BLOCK_N: gathered rows per block; STAGES: ring depth; REGS: registers per thread of the worker consumer and the
@@ -49,14 +50,21 @@ LOG2E = 1.4426950408889634
 FWD_CONFIG = dict(BLOCK_N=64, STAGES=2, REGS=(216, 40))
 
 
-def available(q: torch.Tensor) -> bool:
-    """True when this kernel can run for ``q``: Gluon imported, q on an SM90 GPU, bf16/fp16, H % 64 == 0 and
+def check(q: torch.Tensor) -> tuple[bool, str]:
+    """(usable, reason) of this kernel for ``q``: Gluon imported, q on an SM90 GPU, bf16/fp16, H % 64 == 0 and
     D in (128, 256, 512)."""
-    if not IMPORTED or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return q.shape[1] % BLOCK_H == 0 and q.shape[2] in (128, 256, 512)
+    for usable, reason in (sm90(q.device), half_precision(q)):
+        if not usable:
+            return usable, reason
+    if q.shape[1] % BLOCK_H:
+        return False, f"needs H % {BLOCK_H} == 0, got H = {q.shape[1]}"
+    if q.shape[2] not in (128, 256, 512):
+        return False, f"needs D in (128, 256, 512), got D = {q.shape[2]}"
+    return True, ""
+
+
+def available(q: torch.Tensor) -> bool:
+    return check(q)[0]
 
 
 if IMPORTED:

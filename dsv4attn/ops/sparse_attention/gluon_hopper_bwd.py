@@ -49,9 +49,16 @@ BWD_CONFIG = dict(REGS=(224, 40), CHUNK=64)
 SHARED_MEMORY_BYTES = 232448                   # the most one SM90 thread block may allocate
 
 
+def check(q: torch.Tensor) -> tuple[bool, str]:
+    """(usable, reason) of :func:`launch` for ``q`` (SM90, Gluon, bf16/fp16, H % 64 == 0, D = 512)."""
+    usable, reason = gluon_hopper.check(q)
+    if usable and q.shape[2] != 512:
+        return False, f"needs D = 512, got D = {q.shape[2]}"
+    return usable, reason
+
+
 def available(q: torch.Tensor) -> bool:
-    """True when :func:`launch` can run for ``q`` (SM90, Gluon, bf16/fp16, H % 64 == 0, D = 512)."""
-    return gluon_hopper.available(q) and q.shape[2] == 512
+    return check(q)[0]
 
 
 if IMPORTED:

@@ -6,8 +6,12 @@ op can be captured in a CUDA graph: nothing in either direction reads a device v
 follows from the input shapes (value checks run before the op, in :func:`dsv4attn.ops.sparse_attention`).
 
 The backend is an argument (``impl``, "reference" or "triton"), chosen once by the public function through
-:mod:`dsv4attn.backend`; the backward runs on the backend the forward ran on. Lazy :class:`IndexSet` inputs do not
-pass through here: the reference consumes them chunk by chunk in eager mode (see ``__init__.py``).
+:mod:`dsv4attn.backend`; the backward runs on the backend the forward ran on. :func:`run` is what both backends
+call: lazy :class:`IndexSet` inputs do not pass through the op on the reference backend (it consumes them chunk by
+chunk in eager mode), the kernels take them one chunk of rows at a time.
+
+This module never imports the kernels: ``triton.py`` imports it and hands its launchers over
+(:func:`register_triton`), so that a CPU-only install has the op and there is no import cycle.
 """
 from __future__ import annotations
 
@@ -16,10 +20,17 @@ from typing import Optional
 import torch
 
 from ... import backend
-from ..index_sets import Explicit
-from .reference import reference_backward, reference_forward
+from ..index_sets import Explicit, IndexSet, chunk_rows
+from .reference import reference_backward, reference_forward, sparse_attention_reference
 
 IMPLS = ("reference", "triton")
+# (supports(q), forward, backward) of the kernels, set by ``triton.py`` when it is imported; None without Triton.
+_triton: tuple | None = None
+
+
+def register_triton(supports, forward, backward) -> None:
+    global _triton
+    _triton = (supports, forward, backward)
 
 
 def limit_slots(indices: torch.Tensor, topk_length: Optional[torch.Tensor]) -> torch.Tensor:
@@ -30,10 +41,10 @@ def limit_slots(indices: torch.Tensor, topk_length: Optional[torch.Tensor]) -> t
     return torch.where(slot[None, :] < topk_length[:, None], indices, -1)
 
 
-def _triton_module(q: torch.Tensor):
-    """The kernel module when ``impl`` is "triton" and the kernels take ``q``; None means: run the reference."""
-    from . import triton as kernels                                  # imported only where Triton exists
-    return kernels if kernels.kernel_supports(q) else None
+def _kernels(q: torch.Tensor, impl: str):
+    """The kernels' (supports, forward, backward) when ``impl`` is "triton" and they take ``q``; None means: run the
+    reference."""
+    return _triton if impl == "triton" and _triton is not None and _triton[0](q) else None
 
 
 @torch.library.custom_op("dsv4attn::sparse_attention", mutates_args=())
@@ -47,9 +58,9 @@ def sparse_attention_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     """
     idx = limit_slots(indices, topk_length)
     with backend.exact_math(q.device):
-        kernels = _triton_module(q) if impl == "triton" else None
+        kernels = _kernels(q, impl)
         if kernels is not None:
-            return kernels.triton_forward(q, kv, idx, attn_sink, softmax_scale)
+            return kernels[1](q, kv, idx, attn_sink, softmax_scale)
         out, lse = reference_forward(q, kv, Explicit(idx), attn_sink, softmax_scale)
         return out.contiguous(), lse
 
@@ -72,10 +83,9 @@ def sparse_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, kv: to
     """
     idx = limit_slots(indices, topk_length)
     with backend.exact_math(q.device):
-        kernels = _triton_module(q) if impl == "triton" else None
+        kernels = _kernels(q, impl)
         if kernels is not None:
-            return kernels.triton_backward(grad_out, q, kv, idx, attn_sink, out, lse, softmax_scale,
-                                           deterministic)
+            return kernels[2](grad_out, q, kv, idx, attn_sink, out, lse, softmax_scale, deterministic)
         dq, dkv, dsink = reference_backward(grad_out, q, kv, Explicit(idx), attn_sink, lse, softmax_scale)
         return dq.contiguous(), dkv.contiguous(), dsink.contiguous()
 
@@ -104,4 +114,35 @@ def _backward(ctx, grad_out, _grad_lse):
 
 sparse_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
-__all__ = ["sparse_attention_op", "sparse_attention_backward_op", "limit_slots", "IMPLS"]
+
+
+def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: bool, impl: str):
+    """The op on backend ``impl`` for tensor or :class:`IndexSet` indices (arguments already checked)."""
+    with backend.exact_math(q.device):
+        if isinstance(indices, IndexSet):
+            index_set = indices if topk_length is None else _FirstSlots(indices, topk_length)
+            if impl == "reference":                 # chunk by chunk: never materialises (T, K) indices
+                return sparse_attention_reference(q, kv, index_set, attn_sink, scale)
+            # The kernels take (rows, K) tensors: materialise them one chunk of query rows at a time, so that a
+            # wide set (every visible compressed entry of a long document) never becomes a (T, K) tensor.
+            parts = [sparse_attention_op(q[s:e], kv, index_set.rows(s, e).to(torch.int32), attn_sink, scale, None,
+                                         deterministic, impl)
+                     for s, e in chunk_rows(q.shape[0], index_set.width, device=q.device)]
+            if len(parts) == 1:
+                return parts[0]
+            return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+        return sparse_attention_op(q, kv, indices, attn_sink, scale, topk_length, deterministic, impl)
+
+
+class _FirstSlots(IndexSet):
+    """``base`` with slots ``k >= lengths[t]`` of row t empty: ``topk_length`` applied to a lazy index set."""
+
+    def __init__(self, base: IndexSet, lengths: torch.Tensor):
+        self.base, self.lengths = base, lengths
+        self.width, self.total_rows, self.bound = base.width, base.total_rows, base.bound
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        return limit_slots(self.base.rows(start, end), self.lengths[start:end])
+
+
+__all__ = ["sparse_attention_op", "sparse_attention_backward_op", "limit_slots", "run", "register_triton", "IMPLS"]

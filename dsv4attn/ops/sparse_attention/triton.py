@@ -12,8 +12,8 @@ over ``BLOCK_DK`` column chunks; the value / gradient columns are split over ``D
 fp32 accumulator stays ``BLOCK_H x BLOCK_DV`` (a 64 x 512 fp32 accumulator does not fit in registers). The
 price is that each value slice recomputes the scores. At D = 512 one program owns all columns instead (FWD_CONFIGS).
 On SM90 GPUs the forward runs the warp-specialised Gluon kernel of :mod:`.gluon_hopper` by default (asynchronous
-row gathers by a producer warpgroup; the Triton pipeliner leaves these gathers synchronous); :data:`FORWARD_KERNEL`
-or a config's ``KERNEL`` key chooses.
+row gathers by a producer warpgroup; the Triton pipeliner leaves these gathers synchronous); :mod:`dsv4attn.variants`
+(or a config's ``KERNEL`` key) chooses.
 
 Backward on SM90 GPUs (bf16/fp16, H % 64 == 0, D = 512, not deterministic): the one-pass Gluon kernel of
 :mod:`.gluon_hopper_bwd`, after an elementwise pre-pass (:func:`_delta_from_out`) that forms Delta = rowsum(dO * out)
@@ -23,16 +23,12 @@ Backward elsewhere (the Triton kernels): d_sink is a (T, H) reduction in PyTorch
 sum_k p_k dO.v_k, which these kernels compute from fp32 probabilities. Every kernel recomputes p from the saved lse,
 forms ``dz = p * (dO.v - Delta)`` and produces ``dq = scale * dz kv`` and the dKV rows ``scale * dz^T q + p^T dO``
 (fp32, atomically added: the atomic traffic is the same in every layout, T * K * D fp32 adds per head block).
-``LAYOUT`` in the config picks:
-
-- ``sliced`` (first version): a Delta pre-pass, then one program per (row, head block, BLOCK_DV value columns) that
-  recomputes the scores in every slice: 13 GEMM-tiles per kv tile at D = 512.
-- the row layouts (:func:`_sparse_attn_bwd_rows_kernel`): one program per (row, head block) over all D columns, q
-  and dO loaded once, each gathered kv tile loaded once per loop and used for s, dp, dq and dKV; Delta needs a
-  full loop of its own before dz exists, so a row costs 7 GEMM-tiles per kv tile (``fused``: Delta launch, then
-  dq + dKV; ``fused2``: both loops in one program) or 9 (``split``: Delta + dq, then a dKV-only launch, so no
-  program holds the 64 x 512 fp32 dq accumulator and a dKV tile at once; ``split3``: three launches, the D = 512
-  default).
+``LAYOUT`` in the config (a :class:`BwdLayout`) picks the launches of :func:`_sparse_attn_bwd_rows_kernel`: one
+program per (row, head block) over all D columns, q and dO loaded once, each gathered kv tile loaded once per loop
+and used for s, dp, dq and dKV; Delta needs a full loop of its own before dz exists, so a row costs 7 GEMM-tiles
+per kv tile (``FUSED``: Delta launch, then dq + dKV; ``FUSED2``: both loops in one program) or 9 (``SPLIT``: Delta
++ dq, then a dKV-only launch, so no program holds the 64 x 512 fp32 dq accumulator and a dKV tile at once;
+``SPLIT3``: three launches, the D = 512 default).
 
 Deterministic backward (``deterministic=True``): the launches that produce dKV store each (row, slot)
 contribution to a fp32 buffer instead (no atomics), over chunks of query rows that bound the buffer to
@@ -42,20 +38,17 @@ either mode, and the mode does not change them. The forward has none.
 """
 from __future__ import annotations
 
-
-
-import os
-import warnings
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources, TritonError
 
-from ... import backend
-from ..triton_common import dot, dot_mode, round_to
+from ... import backend, variants
+from ..gluon_common import sm90
+from ..triton_common import dot, dot_mode, launch_fitting, round_to
 from ..index_sets import IndexSet
-from .reference import sparse_attention_reference
+from .op import register_triton, run
 from .segment_sum import add_rows_by_key
 from . import gluon_hopper, gluon_hopper_bwd
 
@@ -73,45 +66,37 @@ FWD_CONFIGS = {
     # split-score layout (BLOCK_N 32, BLOCK_DK 128) 15.5 ms; BLOCK_N 32 shared 14.5 ms; 16 rows 23.9 ms.
     512: dict(BLOCK_N=64, BLOCK_DK=512, BLOCK_DV=512, num_warps=8, num_stages=2),
 }
-# Backward: ``LAYOUT`` picks the kernels (see ``BWD_PASSES``); "sliced" is the first version (one program per row,
-# head block and BLOCK_DV value columns; tile keys as in FWD_CONFIGS), the others are one program per (row, head
-# block) over all D columns (keys BLOCK_N, num_warps, num_stages; RELAXED: relaxed-order dKV atomics). A key named
-# after a pass (e.g. "DKV", "DELTA+DQ") holds overrides for that pass's launch.
+PARTS = ("DELTA", "DQ", "DKV")
+
+
+@dataclass(frozen=True)
+class BwdLayout:
+    """The launches of the Triton backward, in order; each is the set of :data:`PARTS` its program computes
+    (:func:`_sparse_attn_bwd_rows_kernel`). GEMMs of BLOCK_H x BLOCK_N x D per kv tile: Delta needs 2 (s, dp), dq 3
+    (s, dp, dz kv), dKV 4 (s, dp, dz^T q, p^T dO), dq + dKV together 5."""
+    passes: tuple[frozenset[str], ...]
+
+    def names(self) -> tuple[str, ...]:
+        """Each launch as "DELTA+DQ" etc.: the config key of its overrides."""
+        return tuple("+".join(p for p in PARTS if p in parts) for parts in self.passes)
+
+
+FUSED = BwdLayout((frozenset({"DELTA"}), frozenset({"DQ", "DKV"})))  # 7 GEMMs, 2 launches; dq, dKV share registers
+FUSED2 = BwdLayout((frozenset(PARTS),))           # 7 GEMMs, 1 launch: two loops per program (Delta, then the rest)
+SPLIT = BwdLayout((frozenset({"DELTA", "DQ"}), frozenset({"DKV"})))  # 9 GEMMs, 2 launches: dq, dKV tile apart
+SPLIT3 = BwdLayout(tuple(frozenset({p}) for p in PARTS))             # 9 GEMMs, 3 launches
+# Triton backward tiles per D: ``LAYOUT`` picks the launches; keys BLOCK_N, num_warps, num_stages, RELAXED (relaxed-
+# order dKV atomics), optional BLOCK_H and DKV_BLOCK_D. A key named after a launch (e.g. "DKV", "DELTA+DQ") holds
+# overrides for that launch.
 BWD_CONFIGS = {
-    64: dict(LAYOUT="fused2", BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
-    128: dict(LAYOUT="fused2", BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
-    256: dict(LAYOUT="split", BLOCK_N=32, num_warps=8, num_stages=2, RELAXED=True),
+    64: dict(LAYOUT=FUSED2, BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
+    128: dict(LAYOUT=FUSED2, BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
+    256: dict(LAYOUT=SPLIT, BLOCK_N=32, num_warps=8, num_stages=2, RELAXED=True),
     # H200, T = 32768, H = 64, K = 640 (2026-11-30), per pass: Delta 8.4 ms, dq 15.5 ms, dKV 39.3 ms (BENCHMARKS.md).
     # Both modes share the Delta and dq launches, so dq and d_sink are the same bits in both.
-    512: dict(LAYOUT="split3", BLOCK_N=64, num_warps=8, num_stages=1, RELAXED=True, DELTA=dict(num_warps=4),
+    512: dict(LAYOUT=SPLIT3, BLOCK_N=64, num_warps=8, num_stages=1, RELAXED=True, DELTA=dict(num_warps=4),
               DKV=dict(BLOCK_N=32, num_warps=4, num_stages=1)),
 }
-# The first version, kept selectable (``config=SLICED_BWD_CONFIGS[D]``) so that both can be timed in one run.
-SLICED_BWD_CONFIGS = {
-    64: dict(LAYOUT="sliced", BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=64, num_warps=4, num_stages=1),
-    128: dict(LAYOUT="sliced", BLOCK_N=32, BLOCK_DK=128, BLOCK_DV=128, num_warps=4, num_stages=1),
-    256: dict(LAYOUT="sliced", BLOCK_N=32, BLOCK_DK=128, BLOCK_DV=128, num_warps=8, num_stages=1),
-    # 159 ms at T = 32768 (H200, 2026-11-30); 35.7 ms vs 50.7 for BLOCK_DV 256 at T = 8192.
-    512: dict(LAYOUT="sliced", BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=128, num_warps=4, num_stages=2),
-}
-# Launches of each row layout, in order; each names what its program computes (_sparse_attn_bwd_rows_kernel).
-# GEMMs of BLOCK_H x BLOCK_N x D per kv tile: Delta needs 2 (s, dp), dq 3 (s, dp, dz kv), dKV 4 (s, dp, dz^T q,
-# p^T dO), dq + dKV together 5; the sliced layout needs 2 + 2 * (D / BLOCK_DV) + 3 = 13 at D = 512.
-BWD_PASSES = {
-    "fused": ("DELTA", "DQ+DKV"),             # 7 GEMMs, 2 launches; the dq and dKV tiles share registers
-    "fused2": ("DELTA+DQ+DKV",),              # 7 GEMMs, 1 launch: two loops per program (Delta, then the rest)
-    "split": ("DELTA+DQ", "DKV"),             # 9 GEMMs, 2 launches: no program holds dq and a dKV tile at once
-    "split3": ("DELTA", "DQ", "DKV"),         # 9 GEMMs, 3 launches
-}
-# Forward kernel when no config is passed: "auto" (Gluon on SM90 where it applies, else Triton), "gluon" or "triton"
-# (environment variable DSV4ATTN_FORWARD_KERNEL); a config's "KERNEL" key chooses per call (a config without it is a
-# Triton tile config). "triton" also keeps the other Gluon kernels out (the one-pass backward, the indexer score
-# kernel, the indexer KL's teacher mass and backward).
-FORWARD_KERNEL = os.environ.get("DSV4ATTN_FORWARD_KERNEL", "auto")
-# (D, dtype) -> why the Gluon forward could not be built for it in this process ("auto" then uses Triton for it).
-GLUON_FAILED: dict = {}
-# The same for the one-pass Gluon backward (the Triton backward then runs).
-GLUON_BWD_FAILED: dict = {}
 SUPPORTED_D = tuple(FWD_CONFIGS)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # fp32 elements of the deterministic backward's per-(row, slot) dKV buffer (512 MiB): T = 4096, K = 640, D = 512
@@ -124,7 +109,7 @@ def _sparse_attn_fwd_kernel(
     Q, KV, IDX, SINK, OUT, LSE,
     H, K, qk_scale_log2,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr, WARP_SPEC: tl.constexpr = False,
+    BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
 ):
     # Program order: the value slices and head blocks of one row are adjacent, so they hit the same gathered
     # rows in L2; neighbouring rows (which share most of their window) follow.
@@ -149,7 +134,7 @@ def _sparse_attn_fwd_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)          # running max, log2 domain
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for start in tl.range(0, K, BLOCK_N, warp_specialize=WARP_SPEC):
+    for start in tl.range(0, K, BLOCK_N):
         n = start + offs_n
         idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
         valid = idx >= 0
@@ -189,109 +174,6 @@ def _sparse_attn_fwd_kernel(
     if vb == 0:
         lse = tl.where(has_keys, (m_safe + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(LSE + t * H + offs_h, lse, mask=h_mask)
-
-
-@triton.jit
-def _sparse_attn_bwd_delta_kernel(
-    Q, KV, IDX, DO, DENOM2, DELTA,
-    H, K, qk_scale_log2,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-    NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
-):
-    # Delta = dO . out = sum_k p_k dO.v_k from the fp32 probabilities, as the reference does: dO . (bf16 out)
-    # would carry the output's rounding (and the bf16 P operand's) into d_sink, dq and dkv.
-    pid = tl.program_id(0)
-    hb = pid % NUM_HB
-    t = (pid // NUM_HB).to(tl.int64)
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < H
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_dk = tl.arange(0, BLOCK_DK)
-    q_rows = Q + t * H * D + offs_h[:, None] * D
-    do_rows = DO + t * H * D + offs_h[:, None] * D
-    denom2 = tl.load(DENOM2 + t * H + offs_h, mask=h_mask, other=0.0)
-    delta = tl.zeros([BLOCK_H], tl.float32)
-    for start in range(0, K, BLOCK_N):
-        n = start + offs_n
-        idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
-        valid = idx >= 0
-        row_off = tl.where(valid, idx, 0).to(tl.int64)[:, None] * D
-        s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        dp = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        for d0 in tl.static_range(0, D, BLOCK_DK):
-            k_c = tl.load(KV + row_off + d0 + offs_dk[None, :], mask=valid[:, None], other=0.0)
-            q_c = tl.load(q_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
-            do_c = tl.load(do_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
-            s += dot(q_c, tl.trans(k_c), DOT_MODE)
-            dp += dot(do_c, tl.trans(k_c), DOT_MODE)
-        live = h_mask[:, None] & valid[None, :]
-        p = tl.where(live, tl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
-        delta += tl.sum(p * dp, 1)
-    tl.store(DELTA + t * H + offs_h, delta, mask=h_mask)
-
-
-@triton.jit
-def _sparse_attn_bwd_kernel(
-    Q, KV, IDX, DO, DENOM2, DELTA, DQ, DKV,
-    H, K, ROWS, scale, qk_scale_log2, DETERMINISTIC: tl.constexpr,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr, RELAXED: tl.constexpr = False,
-):
-    # DKV: the (N, D) fp32 gradient (atomic adds), or with DETERMINISTIC the (NUM_HB, ROWS, K, D) fp32 buffer of
-    # per-(head block, row, slot) contributions, every element written exactly once (ROWS = rows of this launch).
-    NUM_DV: tl.constexpr = D // BLOCK_DV
-    pid = tl.program_id(0)
-    cb = pid % NUM_DV
-    hb = (pid // NUM_DV) % NUM_HB
-    t = (pid // (NUM_DV * NUM_HB)).to(tl.int64)
-
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < H
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_c = cb * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    q_rows = Q + t * H * D + offs_h[:, None] * D
-    do_rows = DO + t * H * D + offs_h[:, None] * D
-
-    # log2 of the full denominator logaddexp(lse, sink) (PyTorch precomputes it), and Delta = rowsum(dO * O).
-    denom2 = tl.load(DENOM2 + t * H + offs_h, mask=h_mask, other=0.0)
-    delta = tl.load(DELTA + t * H + offs_h, mask=h_mask, other=0.0)
-    q_slice = tl.load(q_rows + offs_c[None, :], mask=h_mask[:, None], other=0.0)
-    do_slice = tl.load(do_rows + offs_c[None, :], mask=h_mask[:, None], other=0.0)
-    dq = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for start in range(0, K, BLOCK_N):
-        n = start + offs_n
-        idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
-        valid = idx >= 0
-        row_off = tl.where(valid, idx, 0).to(tl.int64)[:, None] * D
-        s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        dp = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        for d0 in tl.static_range(0, D, BLOCK_DK):
-            k_c = tl.load(KV + row_off + d0 + offs_dk[None, :], mask=valid[:, None], other=0.0)
-            q_c = tl.load(q_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
-            do_c = tl.load(do_rows + d0 + offs_dk[None, :], mask=h_mask[:, None], other=0.0)
-            s += dot(q_c, tl.trans(k_c), DOT_MODE)
-            dp += dot(do_c, tl.trans(k_c), DOT_MODE)
-        # Padded heads and empty slots get p = 0 (their denominators are meaningless).
-        live = h_mask[:, None] & valid[None, :]
-        p = tl.where(live, tl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
-        dz = p * (dp - delta[:, None])
-        v = tl.load(KV + row_off + offs_c[None, :], mask=valid[:, None], other=0.0)
-        dq += dot(round_to(dz, KV, DOT_MODE == 2), v, DOT_MODE)
-        dkv = dot(round_to(tl.trans(dz * scale), KV, DOT_MODE == 2), q_slice, DOT_MODE)
-        dkv += dot(round_to(tl.trans(p), KV, DOT_MODE == 2), do_slice, DOT_MODE)
-        if DETERMINISTIC:
-            # Empty slots store their exact zeros too; the reduction never reads them.
-            slot = (hb * ROWS + t) * K + n
-            tl.store(DKV + slot[:, None] * D + offs_c[None, :], dkv, mask=(n < K)[:, None])
-        else:
-            # Duplicate rows inside a block are fine: each element is its own atomic add.
-            if RELAXED:
-                tl.atomic_add(DKV + row_off + offs_c[None, :], dkv, mask=valid[:, None], sem="relaxed")
-            else:
-                tl.atomic_add(DKV + row_off + offs_c[None, :], dkv, mask=valid[:, None])
-    tl.store(DQ + t * H * D + offs_h[:, None] * D + offs_c[None, :], round_to(dq * scale, DQ, DOT_MODE == 2),
-             mask=h_mask[:, None])
 
 
 @triton.jit
@@ -374,7 +256,7 @@ def _sparse_attn_bwd_rows_kernel(
             if DO_DQ:
                 dq += dot(round_to(dz, KV, DOT_MODE == 2), kv_tile, DOT_MODE)
             if DO_DKV:
-                # Same operand roundings as the sliced kernel: bf16(scale * dz)^T q + bf16(p)^T dO, fp32 sums.
+                # Operands rounded to the input dtype: bf16(scale * dz)^T q + bf16(p)^T dO, fp32 sums.
                 dz_t = round_to(tl.trans(dz * scale), KV, DOT_MODE == 2)
                 p_t = round_to(tl.trans(p), KV, DOT_MODE == 2)
                 slot = (hb * ROWS + t) * K + n
@@ -434,61 +316,27 @@ _FITTED: dict = {}
 
 def _launch(kernel, grid_of, q, config: dict, args: tuple):
     """Launch ``kernel``, shrinking ``config`` if this GPU's shared memory is too small for it."""
-    requested = config
-    key = (id(kernel) if not isinstance(kernel, _DeltaKernel) else "delta", tuple(sorted(config.items())),
-           q.dtype, q.shape[1], q.shape[2])
-    config = _FITTED.get(key, config)
-    while True:
-        grid, meta, launch = _launch_args(q, config)
-        try:
-            result = kernel[grid_of(grid, meta)](*args, **meta, **launch)
-            if config is not requested:
-                _FITTED[key] = config
-                passes = "+".join(k for k in ("DELTA_PASS", "DO_DQ", "DO_DKV") if config.get(k))
-                SHRUNK[f"{getattr(getattr(kernel, 'fn', kernel), '__name__', type(kernel).__name__)} {passes}"] = (
-                    requested, config)
-            return result
-        except OutOfResources:
-            config = _smaller(config)
-            if config is None:
-                raise
+    key = (id(kernel), tuple(sorted(config.items())), q.dtype, q.shape[1], q.shape[2])
+
+    def launch(cfg):
+        grid, meta, launch_kw = _launch_args(q, cfg)
+        kernel[grid_of(grid, meta)](*args, **meta, **launch_kw)
+
+    fitted = launch_fitting(launch, _FITTED.get(key, config), _smaller)
+    if fitted is not config:
+        _FITTED[key] = fitted
+        passes = "+".join(k for k in ("DELTA_PASS", "DO_DQ", "DO_DKV") if fitted.get(k))
+        SHRUNK[f"{getattr(getattr(kernel, 'fn', kernel), '__name__', type(kernel).__name__)} {passes}"] = (
+            config, fitted)
 
 
 def forward_kernel(q: torch.Tensor, config: dict | None = None) -> str:
     """Which forward runs for ``q``: ``config["KERNEL"]`` if given; a config without that key is a Triton tile
-    config (FWD_CONFIGS keys); with no config, :data:`FORWARD_KERNEL` ("auto": the Gluon Hopper kernel where
-    :func:`.gluon_hopper.available` and it has not failed to build for this D and dtype, the Triton kernel
+    config (FWD_CONFIGS keys); with no config, :mod:`dsv4attn.variants` ("auto": the Gluon Hopper kernel where
+    :func:`.gluon_hopper.check` allows and it has not failed to build for this D and dtype, the Triton kernel
     elsewhere)."""
-    choice = config.get("KERNEL", "triton") if config else FORWARD_KERNEL
-    if choice not in ("auto", "gluon", "triton"):
-        raise ValueError(f"forward KERNEL (config key, or DSV4ATTN_FORWARD_KERNEL) must be 'auto', 'gluon' or "
-                         f"'triton', got {choice!r}")
-    if choice == "auto":
-        usable = gluon_hopper.available(q) and (q.shape[2], q.dtype) not in GLUON_FAILED
-        return "gluon" if usable else "triton"
-    if choice == "gluon" and not gluon_hopper.available(q):
-        raise ValueError("forward KERNEL='gluon' needs Gluon, an SM90 GPU, bf16/fp16 q, H % 64 == 0 and "
-                         f"D in (128, 256, 512); got q {tuple(q.shape)} {q.dtype} on {q.device}")
-    return choice
-
-
-def _gluon_build_error(exc: Exception) -> bool:
-    """Errors that mean "this Triton cannot build the Gluon kernel" (compile, ptxas, resources, MLIR passes)."""
-    return isinstance(exc, TritonError) or (isinstance(exc, RuntimeError) and "PassManager" in str(exc))
-
-
-def note_gluon_build_failure(exc: Exception, failed: dict, D: int, dtype: torch.dtype, kernel: str,
-                             instead: str) -> None:
-    """Called from an ``except`` around a Gluon launch: re-raises ``exc`` unless it is a build failure; otherwise
-    records it in ``failed[(D, dtype)]`` (so that "auto" does not try again) and warns once, naming ``kernel`` (what
-    it computes and its Gluon function) and the installed Triton. Gluon is experimental and changes between Triton
-    releases: a Triton that cannot build a kernel gets the Triton path instead."""
-    if not _gluon_build_error(exc):
-        raise exc
-    failed[(D, dtype)] = f"{type(exc).__name__}: {exc}"
-    warnings.warn(f"dsv4attn: the Gluon {kernel} could not be built for D={D} {dtype} by Triton "
-                  f"{triton.__version__} ({type(exc).__name__}: {str(exc)[:500]}); {instead}", RuntimeWarning,
-                  stacklevel=3)
+    request = config.get("KERNEL", "triton") if config else None
+    return variants.choose("sparse_attention", "forward", (q.shape[2], q.dtype), q, request=request)
 
 
 def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
@@ -506,11 +354,10 @@ def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
             gluon_hopper.launch_fwd(q, kv, idx, sink, out, lse, scale, rest)
             return out, lse
         except Exception as exc:
-            if config and config.get("KERNEL") == "gluon":          # an explicit request raises
+            if variants.strict(config.get("KERNEL") if config else None):   # "gluon" asked for: raise
                 raise
-            note_gluon_build_failure(exc, GLUON_FAILED, D, q.dtype,
-                                     "sparse-attention forward kernel (_sparse_attn_fwd_gluon)",
-                                     "using the Triton kernel")
+            variants.note_gluon_build_failure(exc, "sparse_attention", "forward", (D, q.dtype),
+                                              "using the Triton kernel")
             rest = {}
     _launch(_sparse_attn_fwd_kernel, lambda grid, meta: grid, q, rest or FWD_CONFIGS[D],
             (q, kv, idx, sink, out, lse, H, idx.shape[1], scale * LOG2E))
@@ -542,11 +389,10 @@ def _delta_from_out(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
 
 def backward_kernel(q: torch.Tensor, deterministic: bool = False) -> str:
     """Which backward runs for ``q``: "gluon" (the one-pass SM90 kernel, Delta from the saved output) where
-    :func:`.gluon_hopper_bwd.available`, the mode is not deterministic, :data:`FORWARD_KERNEL` is not "triton" and
-    the kernel has not failed to build for this D and dtype; "triton" (the Triton passes) elsewhere."""
-    usable = (not deterministic and FORWARD_KERNEL != "triton" and gluon_hopper_bwd.available(q)
-              and (q.shape[2], q.dtype) not in GLUON_BWD_FAILED)
-    return "gluon" if usable else "triton"
+    :func:`.gluon_hopper_bwd.check` allows, the mode is not deterministic, :mod:`dsv4attn.variants` does not keep
+    Gluon out and the kernel has not failed to build for this D and dtype; "triton" (the Triton passes) elsewhere."""
+    return variants.choose("sparse_attention", "backward", (q.shape[2], q.dtype), q,
+                           request="triton" if deterministic else None)
 
 
 def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, deterministic=False):
@@ -554,7 +400,7 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
 
     ``out``: the forward's output; the one-pass Gluon backward (:func:`backward_kernel`) forms Delta from it, the
     Triton passes recompute Delta from fp32 probabilities and ignore it (None is accepted there). ``config``: a
-    BWD_CONFIGS-style dict (its ``LAYOUT`` picks the Triton kernels; a config forces the Triton passes);
+    BWD_CONFIGS-style dict (its ``LAYOUT`` picks the Triton launches; a config forces the Triton passes);
     ``deterministic``: no float atomics, bitwise-identical results for identical inputs (module docstring).
     """
     T, H, D = q.shape
@@ -569,15 +415,11 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
         delta = torch.zeros(T, H, dtype=torch.float32, device=q.device)
         if T > 0:
             config = dict(config or BWD_CONFIGS[D])
-            layout = config.pop("LAYOUT", "sliced")
-            if layout == "sliced":
-                _sliced_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic)
-            elif layout in BWD_PASSES:
-                _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic,
-                          BWD_PASSES[layout])
-            else:
-                raise ValueError(f"backward config LAYOUT must be 'sliced' or one of {sorted(BWD_PASSES)}, got "
-                                 f"{layout!r}")
+            layout = config.pop("LAYOUT", None)
+            if not isinstance(layout, BwdLayout):
+                raise TypeError(f"backward config LAYOUT must be a BwdLayout (FUSED, FUSED2, SPLIT, SPLIT3), got "
+                                f"{layout!r}")
+            _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, layout)
     # d_sink = -sum_t p_sink * Delta; p_sink = 0 where the sink is -inf (also on empty rows, where denom = -inf).
     p_sink = torch.where(denom == float("-inf"), 0.0, torch.exp(sink[None, :] - denom))
     d_sink = -(p_sink * delta).sum(0)
@@ -592,7 +434,10 @@ def _gluon_bwd(q, kv, idx, out, grad_out, denom2, dq, dkv, scale):
     try:
         gluon_hopper_bwd.launch(q, grad_out, kv_read, idx, denom2, delta, dq, dkv, scale)
     except Exception as exc:
-        note_gluon_build_failure(exc, GLUON_BWD_FAILED, q.shape[2], q.dtype, "sparse-attention backward kernel (_sparse_attn_bwd_gluon)", "using the Triton backward")
+        if variants.strict():
+            raise
+        variants.note_gluon_build_failure(exc, "sparse_attention", "backward", (q.shape[2], q.dtype),
+                                          "using the Triton backward")
         dkv.zero_()
         return None
     return delta
@@ -603,45 +448,16 @@ def _deterministic_rows(T: int, num_hb: int, K: int, D: int) -> int:
     return max(1, min(T, DETERMINISTIC_BUFFER_ELEMENTS // max(1, num_hb * K * D)))
 
 
-def _sliced_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic):
-    """The first version: Delta pre-pass, then one program per (row, head block, BLOCK_DV columns)."""
-    T, H, D = q.shape
-    K = idx.shape[1]
-    # The Delta pre-pass has no value columns: it takes the whole row (BLOCK_DV is only for the grid).
-    _launch(_DeltaKernel(), lambda grid, meta: (T * meta["NUM_HB"],), q, config,
-            (q, kv, idx, grad_out, denom2, delta, H, K, scale * LOG2E))
-    if not deterministic:
-        _launch(_sparse_attn_bwd_kernel, lambda grid, meta: grid, q, config,
-                (q, kv, idx, grad_out, denom2, delta, dq, dkv, H, K, T, scale, scale * LOG2E, False))
-    elif K > 0:
-        num_hb = triton.cdiv(H, config.get("BLOCK_H") or _block_h(H))     # as _launch_args computes it
-        rows = _deterministic_rows(T, num_hb, K, D)
-        buf = torch.empty(num_hb * rows * K * D, dtype=torch.float32, device=q.device)
-        # Chunks run in row order and each adds its per-key sums in a fixed order: the result depends on the
-        # inputs and on ``rows`` only. Row slices are views, so the kernel sees chunk-local row numbers.
-        for s in range(0, T, rows):
-            e = min(s + rows, T)
-            _launch(_sparse_attn_bwd_kernel, lambda grid, meta: grid, q[s:e], config,
-                    (q[s:e], kv, idx[s:e], grad_out[s:e], denom2[s:e], delta[s:e], dq[s:e], buf,
-                     H, K, e - s, scale, scale * LOG2E, True))
-            add_rows_by_key(dkv, idx[s:e], buf, num_hb)
-    else:
-        dq.zero_()                                                  # no slots: no keys, zero gradients
-
-
-def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, passes):
-    """Row layouts: the launches ``passes`` of :func:`_sparse_attn_bwd_rows_kernel`, in order."""
+def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, layout: BwdLayout):
+    """The launches of ``layout`` (:func:`_sparse_attn_bwd_rows_kernel`), in order."""
     T, H, D = q.shape
     K = idx.shape[1]
     kv_read = kv if kv.shape[0] > 0 else kv.new_zeros(1, D)    # empty slots read row 0 (never used, never written)
     overrides = {name: config.pop(name) for name in list(config) if isinstance(config[name], dict)}
-    for name in passes:
-        parts = set(name.split("+"))
+    for parts, name in zip(layout.passes, layout.names()):
         cfg = dict(config, **overrides.get(name, {}))
         cfg.update(DELTA_PASS="DELTA" in parts, DO_DQ="DQ" in parts, DO_DKV="DKV" in parts,
                    RELAXED=bool(cfg.get("RELAXED", False)), DKV_BLOCK_D=min(D, cfg.get("DKV_BLOCK_D", D)))
-        for key in ("BLOCK_DK", "BLOCK_DV"):                         # sliced-layout keys: no meaning here
-            cfg.pop(key, None)
 
         def launch(s, e, buf, det):
             cfg_det = dict(cfg, DETERMINISTIC=det)
@@ -653,22 +469,14 @@ def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deter
             num_hb = triton.cdiv(H, cfg.get("BLOCK_H") or _block_h(H))     # as _launch_args computes it
             rows = _deterministic_rows(T, num_hb, K, D)
             buf = torch.empty(max(1, num_hb * rows * K * D), dtype=torch.float32, device=q.device)
-            # Chunks run in row order and each adds its per-key sums in a fixed order (as in _sliced_bwd).
+            # Chunks run in row order and each adds its per-key sums in a fixed order: the result depends on the
+            # inputs and on ``rows`` only. Row slices are views, so the kernel sees chunk-local row numbers.
             for s in range(0, T, rows):
                 e = min(s + rows, T)
                 launch(s, e, buf, True)
                 add_rows_by_key(dkv, idx[s:e], buf, num_hb)
         else:
             launch(0, T, dkv, False)
-
-
-class _DeltaKernel:
-    """``kernel[grid](...)`` adapter for the Delta pre-pass, which takes no BLOCK_DV."""
-
-    def __getitem__(self, grid):
-        def call(*args, BLOCK_DV, RELAXED=False, **kwargs):
-            return _sparse_attn_bwd_delta_kernel[grid](*args, **kwargs)
-        return call
 
 
 def kernel_supports(q: torch.Tensor) -> bool:
@@ -693,32 +501,46 @@ def triton_backward(grad_out, q, kv, idx, attn_sink, out, lse, scale: float, det
     return dq, dkv.to(kv.dtype), d_sink.to(attn_sink.dtype)
 
 
-def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, index_set: IndexSet, attn_sink: torch.Tensor,
-                            scale: float, *, deterministic: bool = False):
+def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet,
+                            attn_sink: torch.Tensor, scale: float, *, topk_length: torch.Tensor | None = None,
+                            deterministic: bool = False):
     """Triton implementation behind :func:`dsv4attn.ops.sparse_attention` (arguments already checked).
 
     Args:
         q: (T, H, D) queries, fp16/bf16/fp32; D in {64, 128, 256, 512}; any H.
         kv: (N, D) the single shared KV head, same dtype as ``q`` (keys == values).
-        index_set: :class:`IndexSet` of width K; ``rows(0, T)`` gives (T, K) int64 rows of ``kv``, ``-1`` = empty.
+        indices: (T, K) int rows of ``kv`` (-1 = empty) or an :class:`IndexSet` of width K (materialised one chunk
+            of query rows at a time).
         attn_sink: (H,) per-head sink logit, fp32 (fp64 accepted; its gradient keeps its dtype).
         scale: softmax scale.
+        topk_length: optional (T,) slot counts per row (FlashMLA's ``topk_length``).
         deterministic: backward without float atomics (bitwise repeatable).
     Returns:
         out (T, H, D) ``q.dtype`` (0 for rows without a valid index) and lse (T, H) fp32, natural log, excluding
         the sink, ``-inf`` for empty rows. Differentiable in q, kv and attn_sink.
 
-    float64 inputs (the kernels have no fp64 path) and head dims outside {64, 128, 256, 512} **fall back to the
-    reference implementation** rather than raising, so float64 checks keep working on any backend.
+    float64 inputs (the kernels have no fp64 path), head dims outside {64, 128, 256, 512} and an empty ``kv``
+    **fall back to the reference implementation** rather than raising, so float64 checks keep working on any
+    backend.
     """
-    if not kernel_supports(q):
-        return sparse_attention_reference(q, kv, index_set, attn_sink, scale)
-    from .op import sparse_attention_op                            # op.py imports this module lazily
-
-    idx = index_set.rows(0, q.shape[0]).to(device=q.device, dtype=torch.int32)
-    return sparse_attention_op(q, kv, idx, attn_sink, float(scale), None, deterministic, "triton")
+    impl = "triton" if kernel_supports(q) and kv.shape[0] > 0 else "reference"
+    return run(q, kv, indices, attn_sink, float(scale), topk_length, deterministic, impl)
 
 
+variants.register(
+    "sparse_attention", "forward",
+    variants.Variant("gluon", "sparse-attention forward kernel (_sparse_attn_fwd_gluon)",
+                     lambda q: gluon_hopper.check(q), sm90),
+    variants.Variant("triton", "sparse-attention forward kernel (_sparse_attn_fwd_kernel)", variants.always,
+                     variants.always))
+variants.register(
+    "sparse_attention", "backward",
+    variants.Variant("gluon", "sparse-attention backward kernel (_sparse_attn_bwd_gluon)",
+                     lambda q: gluon_hopper_bwd.check(q), sm90),
+    variants.Variant("triton", "sparse-attention backward passes (_sparse_attn_bwd_rows_kernel)", variants.always,
+                     variants.always))
+register_triton(kernel_supports, triton_forward, triton_backward)
 backend.register_kernel("sparse_attention", sparse_attention_triton)
 
-__all__ = ["sparse_attention_triton", "kernel_supports", "triton_forward", "triton_backward"]
+__all__ = ["sparse_attention_triton", "kernel_supports", "triton_forward", "triton_backward", "BwdLayout", "FUSED",
+           "FUSED2", "SPLIT", "SPLIT3"]
