@@ -44,6 +44,8 @@ HELP = {
     "cp": "context-parallel ranks per replica: under torchrun, world = data-parallel x --cp",
     "cp_partition": "rows of each context-parallel rank: contiguous (one slice) or head_tail (chunks i and "
                     "2C-1-i of 2C: even causal work)",
+    "pg_timeout": "seconds a collective waits for the other ranks; past it the job stops on every rank with an "
+                  "error naming the rank that failed (instead of waiting forever)",
 }
 
 

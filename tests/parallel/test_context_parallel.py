@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import tempfile
+import time
 import traceback
 
 import pytest
@@ -203,7 +204,14 @@ def test_context_parallel_equals_single_process(world):
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         try:
-            mp.spawn(_worker, args=(world, init_file, tmp), nprocs=world, join=True)
+            context = mp.spawn(_worker, args=(world, init_file, tmp), nprocs=world, join=False)
+            deadline = time.monotonic() + 420          # a hang must not stall CI: kill the ranks and fail
+            while not context.join(timeout=1):
+                if time.monotonic() > deadline:
+                    for p in context.processes:
+                        if p.is_alive():
+                            p.kill()
+                    pytest.fail("the spawned ranks did not finish within 420 s (killed)")
         finally:
             reports = {}
             for rank in range(world):
