@@ -119,7 +119,7 @@ def check_max_seqlen(max_seqlen: int) -> None:
         raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
 
 
-def check_batch(cu_seqlens: torch.Tensor, total_rows: int, max_seqlen: int | None) -> int:
+def check_batch(cu_seqlens: torch.Tensor, total_rows: int, max_seqlen: int | None, keep: list | None = None) -> int:
     """Validate a batch's metadata and return ``max_seqlen`` (the longest document when ``None``).
 
     Always runs, whatever the mode: one host read of ``cu_seqlens`` (N+1 ints) checks ``cu_seqlens[0] == 0``,
@@ -137,6 +137,8 @@ def check_batch(cu_seqlens: torch.Tensor, total_rows: int, max_seqlen: int | Non
                              "dsv4attn.pack_batch and pass pack=")
         return max_seqlen
     values = cu_seqlens.tolist()                     # the batch's one host read
+    if keep is not None:                             # the caller keeps the values (CP digests them: no 2nd read)
+        keep.extend(values)
     if values[0] != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got {values[0]}")
     longest = 0

@@ -57,6 +57,9 @@ class PackedBatch:
     row_doc_start: torch.Tensor     # (T,) int64 packed row where the row's document starts (T for padding)
     row_is_real: torch.Tensor       # (T,) bool, False for capacity padding
     num_real_rows: torch.Tensor     # () int64 = cu_seqlens[-1], kept on device (no sync)
+    # The cu_seqlens values read on the host by the validation (None where no value could be read): context
+    # parallelism digests them so that the ranks can agree on the batch without a second read.
+    host_cu_seqlens: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     _layouts: dict = field(default_factory=dict, repr=False, compare=False)
     _compared: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -125,11 +128,14 @@ def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int
             raise ValueError(f"max_seqlen={max_seqlen} is smaller than the single document of {total_rows} rows "
                              f"(cu_seqlens=None); it must be >= every document length")
         cu_seqlens = torch.arange(2, dtype=torch.int32, device=device) * total_rows
+        host_values = (0, total_rows)
     else:
         if (device is not None and isinstance(cu_seqlens, torch.Tensor)
                 and cu_seqlens.device != torch.device(device)):
             raise ValueError(f"cu_seqlens must be on {device}, got {cu_seqlens.device}")
-        max_seqlen = checks.check_batch(cu_seqlens, total_rows, max_seqlen)
+        kept: list[int] = []
+        max_seqlen = checks.check_batch(cu_seqlens, total_rows, max_seqlen, keep=kept)
+        host_values = tuple(kept) if kept else None      # empty: no value could be read (compile, capture)
 
     cu = cu_seqlens.long()
     rows = torch.arange(total_rows, device=cu.device)
@@ -141,7 +147,7 @@ def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int
     row_position = torch.where(row_is_real, rows - row_doc_start, torch.zeros_like(rows))
     return PackedBatch(cu_seqlens=cu_seqlens, total_rows=total_rows, max_seqlen=max_seqlen, row_doc=row_doc,
                        row_position=row_position, row_doc_start=row_doc_start, row_is_real=row_is_real,
-                       num_real_rows=cu[-1])
+                       num_real_rows=cu[-1], host_cu_seqlens=host_values)
 
 
 def compressed_capacity(total_rows: int, num_docs: int, max_seqlen: int, ratio: int) -> int:

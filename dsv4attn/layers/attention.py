@@ -106,17 +106,23 @@ class HybridAttention(KeepFp32Params):
         Returns (T, hidden_size): this call's rows.
         """
         self.indexer_loss = None                     # a forward that raises leaves no stale value behind
-        phase = check_phase(phase)
         x = hidden_states
-        self._check_input(x, cu_seqlens)
         if cp_partition is not None and cp_group is None:
             raise ValueError(f"cp_partition={cp_partition!r} needs cp_group (it says how context-parallel ranks "
                              f"split the rows); without cp_group the layer computes the whole batch, so leave "
                              f"cp_partition out")
-        if pack is not None:
-            self._check_pack(pack, cu_seqlens, max_seqlen, x.device)
-        if checks.values_readable():
-            self._check_parameters()
+        failed = None
+        try:
+            phase = check_phase(phase)
+            self._check_input(x, cu_seqlens)
+            if pack is not None:
+                self._check_pack(pack, cu_seqlens, max_seqlen, x.device)
+            if checks.values_readable():
+                self._check_parameters()
+        except (ValueError, TypeError) as err:
+            if cp_group is None or not isinstance(x, torch.Tensor):
+                raise
+            failed = err        # under CP raised after the ranks' agreement, so no other rank waits for this one
         if cp_group is None:
             if pack is None:
                 pack = pack_batch(cu_seqlens, x.shape[0], max_seqlen, device=x.device)
@@ -125,7 +131,8 @@ class HybridAttention(KeepFp32Params):
             frame, x_keys = single_device_frame(pack), x
         else:
             frame, x_keys = context_parallel_frame(x, cu_seqlens, max_seqlen, cp_group, self.halo_rows, pack,
-                                                   cp_partition or "contiguous")
+                                                   cp_partition or "contiguous", phase=phase,
+                                                   compress_ratio=self.compress_ratio, failed=failed)
         return self._forward_frame(x, x_keys, frame, phase)
 
     @property

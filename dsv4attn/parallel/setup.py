@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import checks
 from ..packing import PackedBatch, pack_batch
-from . import comm
+from . import agree, comm
 from . import partition as partition_
 from .frame import RowFrame, Segment
 
@@ -45,26 +46,54 @@ def as_process_group(cp_group):
 
 
 def context_parallel_frame(x_local: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int | None, group,
-                           halo: int, pack: PackedBatch | None = None, partition: str = "contiguous"
-                           ) -> tuple[RowFrame, torch.Tensor]:
+                           halo: int, pack: PackedBatch | None = None, partition: str = "contiguous", *,
+                           phase: str | None = None, compress_ratio: int | None = None,
+                           failed: Exception | None = None) -> tuple[RowFrame, torch.Tensor]:
     """(frame, x_keys): x_keys = ``[halo_0 ; segment_0 ; ...]`` hidden states, the rows whose raw KV this rank
-    computes (see :mod:`.partition` for which rows a rank holds)."""
+    computes (see :mod:`.partition` for which rows a rank holds).
+
+    The first collective is the ranks' agreement on the call's metadata (:mod:`.agree`; ``phase`` and
+    ``compress_ratio`` say which call this is): any difference, or a rank whose own checks below failed, raises a
+    ValueError on every rank before the halo exchange. ``failed``: an error the caller's own checks already raised
+    on this rank; it joins the agreement as failed, then raises it."""
     group = as_process_group(group)
-    partition_.check_partition(partition)
     world, rank = comm.world_and_rank(group)
-    rows = x_local.shape[0]
-    per_rank = partition_.num_chunks(partition, world) // world
-    if rows % per_rank:
-        raise ValueError(f"hidden_states has {rows} rows, which is not {per_rank} equal chunks ({partition!r} "
-                         f"partition); pass this rank's rows from dsv4attn.parallel.shard")
-    chunk = rows // per_rank
-    check_rows_per_rank(chunk, halo, world, partition)
-    total = rows * world
-    if pack is None:
-        pack = pack_batch(cu_seqlens, total, max_seqlen, device=x_local.device)
-    elif pack.total_rows != total:
-        raise ValueError(f"pack must describe the global batch of {total} rows ({world} ranks x {rows}), "
-                         f"got {pack.total_rows}")
+    rows = x_local.shape[0] if x_local.dim() else 0
+    local_error, frame_pack = failed, None
+    try:
+        if failed is not None:
+            raise failed
+        # Rank-local checks: a rank failing one still joins the agreement below, so no other rank waits for it.
+        partition_.check_partition(partition)
+        per_rank = partition_.num_chunks(partition, world) // world
+        if rows % per_rank:
+            raise ValueError(f"hidden_states has {rows} rows, which is not {per_rank} equal chunks ({partition!r} "
+                             f"partition); pass this rank's rows from dsv4attn.parallel.shard")
+        check_rows_per_rank(rows // per_rank, halo, world, partition)
+        total = rows * world
+        if pack is None:
+            frame_pack = pack_batch(cu_seqlens, total, max_seqlen, device=x_local.device)
+        elif pack.total_rows != total:
+            raise ValueError(f"pack must describe the global batch of {total} rows ({world} ranks x {rows}), "
+                             f"got {pack.total_rows}")
+        else:
+            frame_pack = pack
+    except (ValueError, TypeError) as err:
+        local_error = err
+    if checks.reads_possible():
+        known = frame_pack is not None
+        mine = agree.digest(total_rows=frame_pack.total_rows if known else None,
+                            cu_values=frame_pack.host_cu_seqlens if known else None,
+                            max_seqlen=frame_pack.max_seqlen if known else None, partition=partition, phase=phase,
+                            compress_ratio=compress_ratio, rows=rows, halo=halo, failed=local_error is not None)
+        message = agree.mismatch_message(agree.agree(group, mine, x_local.device))
+        if local_error is not None:
+            raise local_error                       # this rank's own, more precise error
+        if message is not None:
+            raise ValueError(message)
+    elif local_error is not None:
+        raise local_error
+    pack = frame_pack
     width = halo if world > 1 else 0
     x_keys = comm.with_left_halos(x_local, width, group, partition) if width else x_local
     segments, offset = [], 0

@@ -3,7 +3,8 @@
 Every flag maps to the TrainConfig field of the same name (dashes for underscores); defaults come from the
 dataclass, so the two never disagree. Errors in options, data or resume compatibility exit with status 2 and one
 line naming the option, before anything is written. A run that stops on a non-finite loss or gradient norm exits
-with status 1 and one line naming the step, the quantity and the checkpoint it left as ``latest``; a file-system
+with status 1 and one line naming the step, the quantity and the checkpoint it left as ``latest``; a rank left
+waiting for a failed one (past ``--pg-timeout``) exits with status 1 and one line naming that rank; a file-system
 failure during the run exits with status 1 and one line naming the file; Ctrl-C exits with status 130 and says how
 to resume.
 """
@@ -44,6 +45,8 @@ HELP = {
     "cp": "context-parallel ranks per replica: under torchrun, world = data-parallel x --cp",
     "cp_partition": "rows of each context-parallel rank: contiguous (one slice) or head_tail (chunks i and "
                     "2C-1-i of 2C: even causal work)",
+    "pg_timeout": "seconds a collective waits for the other ranks; past it the job stops on every rank with an "
+                  "error naming the rank that failed (instead of waiting forever)",
 }
 
 
@@ -83,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .distributed import RankFailed
     from .loop import NonFiniteStep, train
     cfg = None
     try:
@@ -92,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteStep as e:                   # the run diverged: stopped, its last good checkpoint kept
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RankFailed as e:         # another rank failed first: its name and error are the message
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:            # the file system failed under a running job (a full disk): say where

@@ -50,6 +50,8 @@ class TrainConfig:
     device: str = "auto"                # auto = cuda when available, else cpu
     cp: int = 1                         # context-parallel ranks per replica (torchrun world = data-parallel x cp)
     cp_partition: str = "contiguous"    # rows of a CP rank: one slice, or "head_tail" (2 chunks, balanced work)
+    pg_timeout: float = 300.0           # seconds a collective may wait for the other ranks before the job stops,
+                                        # naming the rank that failed (the job's own process groups)
 
     def __post_init__(self) -> None:
         self.ratios = tuple(self.ratios)
@@ -82,6 +84,9 @@ class TrainConfig:
         if self.lr <= 0 or self.min_lr_ratio > 1:
             raise ValueError(f"--lr must be > 0 and --min-lr-ratio in [0, 1], got {self.lr!r}, {self.min_lr_ratio!r}")
         need_int("cp", 1)
+        if (isinstance(self.pg_timeout, bool) or not isinstance(self.pg_timeout, (int, float))
+                or not math.isfinite(self.pg_timeout) or self.pg_timeout <= 0):
+            raise ValueError(f"--pg-timeout must be a number of seconds > 0, got {self.pg_timeout!r}")
         if self.cp_partition not in PARTITIONS:
             raise ValueError(f"--cp-partition must be one of {', '.join(PARTITIONS)}, got {self.cp_partition!r}")
         if self.cp > 1:
@@ -140,7 +145,7 @@ class TrainConfig:
 # Options that may differ when resuming (where output goes and how often it is written or evaluated); every other
 # option shapes the run and must equal the checkpoint's, or --resume refuses.
 RESUME_FREE = frozenset({"out", "resume", "overwrite", "plot", "eval_every", "eval_batches", "save_every", "keep",
-                         "device", "stop_after"})
+                         "device", "stop_after", "pg_timeout"})
 
 
 def resume_mismatches(saved: dict, current: TrainConfig) -> list[str]:

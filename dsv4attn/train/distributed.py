@@ -18,6 +18,8 @@ the layers, not through the LM loss, so its gradient would come out ``cp`` times
 """
 from __future__ import annotations
 
+import datetime
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -67,20 +69,24 @@ def check_world(world: int, cp: int) -> None:
                          f"torchrun --nproc-per-node with a multiple of {cp} (world = data-parallel x --cp)")
 
 
-def build(world: int, rank: int, cp: int) -> Parallelism:
-    """The layout of this rank, creating the CP and DP groups when ``cp > 1`` (collective: every rank calls it)."""
+def build(world: int, rank: int, cp: int, timeout: float | None = None) -> Parallelism:
+    """The layout of this rank, creating the CP and DP groups when ``cp > 1`` (collective: every rank calls it).
+
+    ``timeout``: seconds a collective of these groups waits for the other ranks (--pg-timeout; None: torch's
+    default), so that a rank that fails and stays alive cannot keep the others waiting for ever."""
     check_world(world, cp)
     if cp == 1:
         return Parallelism(world=world, rank=rank, cp=1)
     dp = world // cp
     cp_group = dp_group = None
+    limit = None if timeout is None else datetime.timedelta(seconds=timeout)
     for replica in range(dp):                       # consecutive ranks: one replica's slices on one host first
-        group = dist.new_group(list(range(replica * cp, (replica + 1) * cp)))
+        group = dist.new_group(list(range(replica * cp, (replica + 1) * cp)), timeout=limit)
         if replica == rank // cp:
             cp_group = group
     if dp > 1:
         for position in range(cp):
-            group = dist.new_group(list(range(position, world, cp)))
+            group = dist.new_group(list(range(position, world, cp)), timeout=limit)
             if position == rank % cp:
                 dp_group = group
     return Parallelism(world=world, rank=rank, cp=cp, cp_group=cp_group, dp_group=dp_group)
@@ -121,3 +127,71 @@ def sum_over(values: torch.Tensor, cp_group) -> torch.Tensor:
         values = values.clone()
         dist.all_reduce(values, group=cp_group)
     return values
+
+
+class RankFailed(RuntimeError):
+    """Another rank of the job failed; this one stopped waiting for it (after the process-group timeout)."""
+
+
+_RUNS = itertools.count()       # train() calls of this process: every rank makes the same calls, in the same order
+
+
+def _is_communication_error(err: BaseException) -> bool:
+    """A collective that timed out or lost its peers (gloo raises a plain RuntimeError, NCCL a DistError)."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(s in text for s in ("Timed out", "timed out", "Timeout", "gloo",
+                                                                     "NCCL", "Connection closed", "Connection reset"))
+
+
+class FailureBoard:
+    """Where the ranks of one training run leave word of a failure: keys in the default process group's store
+    (the rendezvous store every rank already talks to; no collective, so it works while others are stuck).
+
+    A rank that fails on its own (any error but a communication one) writes ``failed/<rank>`` with the error
+    and re-raises it. A rank whose collective then fails (it waited past ``--pg-timeout`` for the failed rank, or
+    lost it) finds that key and raises :class:`RankFailed` naming the rank, where and why, instead of gloo's or
+    NCCL's bare timeout. Keys are per run (``train()`` call), so a later run in the same process group does not
+    see an earlier run's failure."""
+
+    def __init__(self, rank: int, world: int, timeout: float):
+        self.rank, self.world, self.timeout = rank, world, timeout
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            self.store = dist.PrefixStore(f"dsv4attn/train/run{next(_RUNS)}", store)
+        except Exception:       # no store to reach (an unusual backend): plain errors, as without the board
+            self.store = None
+
+    def record(self, where: str, err: BaseException) -> None:
+        if self.store is not None:
+            try:
+                self.store.set(f"failed/{self.rank}", f"{where}: {type(err).__name__}: {err}"[:2000])
+            except Exception:
+                pass            # the store is gone too: this rank's own error still propagates
+
+    def failures(self) -> dict[int, str]:
+        """{rank: what it reported} for every other rank that recorded a failure."""
+        found = {}
+        if self.store is None:
+            return found
+        for r in range(self.world):
+            try:
+                if r != self.rank and self.store.check([f"failed/{r}"]):
+                    found[r] = self.store.get(f"failed/{r}").decode("utf-8", "replace")
+            except Exception:
+                break
+        return found
+
+    def explain(self, err: Exception, where: str) -> Exception:
+        """The error this rank raises for ``err`` (hit at ``where``): ``err`` itself when it is this rank's own
+        failure (recorded for the others), else a RankFailed naming the rank(s) that failed first."""
+        if not _is_communication_error(err):
+            self.record(where, err)
+            return err
+        others = self.failures()
+        if not others:
+            return err          # nobody reported anything: a rank died or hung; the backend's error says which op
+        named = "; ".join(f"rank {r} failed at {what}" for r, what in sorted(others.items()))
+        return RankFailed(f"{named}. This rank (rank {self.rank}, at {where}) stopped waiting for it after the "
+                          f"process-group timeout (--pg-timeout {self.timeout:g} s); see that rank's error")

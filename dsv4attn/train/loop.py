@@ -17,6 +17,7 @@ checkpoint (``latest``) is the last good state.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import re
@@ -256,8 +257,12 @@ def train(cfg: TrainConfig) -> dict:
     if own_group:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    par = distributed.build(world, rank, cfg.cp)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=cfg.pg_timeout))
+    par = distributed.build(world, rank, cfg.cp, timeout=cfg.pg_timeout)
+    # A failing rank leaves word for the others, which then stop (within --pg-timeout) naming it, not waiting.
+    board = distributed.FailureBoard(rank, world, cfg.pg_timeout) if world > 1 else None
+    where = "setup"
     is_main = rank == 0
     evaluates = par.dp_rank == 0                  # replica 0 evaluates (all its CP ranks); rank 0 logs
 
@@ -303,6 +308,7 @@ def train(cfg: TrainConfig) -> dict:
         prev_phase = cfg.phase_of(start - 1) if start else None
         end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
         for step in range(start, end):
+            where = f"step {step + 1}"
             phase = cfg.phase_of(step)
             if phase != prev_phase:
                 if is_main:
@@ -347,6 +353,7 @@ def train(cfg: TrainConfig) -> dict:
                     _save(out, model, optimizer, cfg, mcfg, source, done, world, par.dp, stats)
                 last_saved = (done, out)
         bar.close()
+        where = "the end of the run"
         end = max(start, end)
         summary = {}
         if evaluates and last_eval is None:    # resumed at or past the last step: still report the model
@@ -359,6 +366,11 @@ def train(cfg: TrainConfig) -> dict:
         if world > 1:
             dist.barrier()          # no rank returns (or resumes) before rank 0 has written the run's files
         return summary
+    except Exception as err:
+        failure = err if board is None else board.explain(err, where)
+        if failure is err:
+            raise
+        raise failure from err
     finally:
         bar.close()
         run.close()

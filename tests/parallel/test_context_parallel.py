@@ -4,13 +4,17 @@ One spawn per world size runs every case in its workers (process start-up domina
 ratios 0/4/128 x phases dense/warmup/sparse in float64 (tight) and one float32 pass, on a pack where documents
 straddle ranks, a ratio-4 and a ratio-128 group cross a seam, documents start inside a halo, one document spans
 three ranks, with an empty document and capacity padding. Compared: outputs, input gradients, CP-summed parameter
-gradients and the (CP-summed) indexer loss. Also the primitives on their own and the too-few-rows error.
+gradients and the (CP-summed) indexer loss. Also the primitives on their own, the too-few-rows error, and the
+ranks' agreement on the batch metadata: rank 1 passing other cu_seqlens, cp_partition, phase or max_seqlen, or
+failing its own argument checks, gives one clear error on every rank and leaves the group in step.
 """
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import tempfile
+import time
 import traceback
 
 import pytest
@@ -133,6 +137,39 @@ def _check_too_few_rows(group, world, partition="contiguous"):
     return "no error"
 
 
+def _check_disagreements(group, world, rank):
+    """Rank 1 differs from the others in one thing per case: every rank raises, before any other collective, the
+    same ValueError naming the field and each rank's value. Returns {case: message} (the parent compares ranks)."""
+    cu, max_len = _pack()
+    other_cu = torch.tensor((0,) + (1, 3, 5, 4) + LENGTHS[4:], dtype=torch.int32).cumsum(0).to(torch.int32)
+    odd = rank == 1
+    cases = {      # case -> (keyword arguments of this rank, what every rank's message must contain)
+        "cu_seqlens": (dict(cu_seqlens=other_cu if odd else cu), "ranks disagree on cu_seqlens (rank 0: [0, 1, 4"),
+        "cp_partition": (dict(cp_partition="head_tail" if odd else "contiguous"),
+                         "cp_partition (rank 0: 'contiguous', rank 1: 'head_tail'"),
+        "phase": (dict(phase="dense" if odd else "sparse"), "phase (rank 0: 'sparse', rank 1: 'dense'"),
+        "max_seqlen": (dict(max_seqlen=max_len + 1 if odd else max_len),
+                       f"max_seqlen (rank 0: {max_len}, rank 1: {max_len + 1}"),
+        # A rank whose own checks fail raises its error; the others learn of it instead of waiting.
+        "local": (dict(phase="bogus" if odd else "sparse"),
+                  "phase must be one of" if odd else "rank(s) 1 of cp_group failed their own argument checks"),
+    }
+    layer = _layer(4, torch.float64)
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    x = torch.randn(TOTAL_ROWS, 128, dtype=torch.float64)
+    messages = {}
+    for case, (kw, expected) in cases.items():
+        kw = dict(dict(cu_seqlens=cu, max_seqlen=max_len, phase="sparse", cp_partition="contiguous"), **kw)
+        with pytest.raises(ValueError) as err:
+            layer(shard(x, group, kw["cp_partition"]), cp_group=group, **kw)
+        assert expected in str(err.value), (case, rank, str(err.value))
+        assert layer.indexer_loss is None
+        messages[case] = str(err.value)
+    for name, p in layer.named_parameters():
+        assert torch.equal(p, before[name]) and p.grad is None, name
+    return messages
+
+
 def _worker(rank, world, init_file, result_dir):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -140,6 +177,10 @@ def _worker(rank, world, init_file, result_dir):
         group = dist.group.WORLD
         torch.set_num_threads(1)
         _check_primitives(group, world, rank)
+        # Before the parity checks: after every refused call the ranks are still in step (no stray collective).
+        disagreements = _check_disagreements(group, world, rank)
+        with open(os.path.join(result_dir, f"rank{rank}.disagree.json"), "w") as f:
+            json.dump(disagreements, f)
         cases = [(r, p) for r in (0, 4, 128) for p in ("dense", "warmup", "sparse") if r == 4 or p == "sparse"]
         _check_parity(group, world, rank, torch.float64, cases, dict(rtol=1e-9, atol=1e-11))
         _check_parity(group, world, rank, torch.float32, [(4, "warmup"), (128, "sparse")],
@@ -163,7 +204,14 @@ def test_context_parallel_equals_single_process(world):
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         try:
-            mp.spawn(_worker, args=(world, init_file, tmp), nprocs=world, join=True)
+            context = mp.spawn(_worker, args=(world, init_file, tmp), nprocs=world, join=False)
+            deadline = time.monotonic() + 420          # a hang must not stall CI: kill the ranks and fail
+            while not context.join(timeout=1):
+                if time.monotonic() > deadline:
+                    for p in context.processes:
+                        if p.is_alive():
+                            p.kill()
+                    pytest.fail("the spawned ranks did not finish within 420 s (killed)")
         finally:
             reports = {}
             for rank in range(world):
@@ -171,6 +219,13 @@ def test_context_parallel_equals_single_process(world):
                 reports[rank] = open(path).read() if os.path.exists(path) else "no report"
         for rank, text in reports.items():
             assert text.startswith("ok"), f"rank {rank}:\n{text}"
+        agreed = [json.load(open(os.path.join(tmp, f"rank{rank}.disagree.json"))) for rank in range(world)]
+        for case in agreed[0]:
+            # The same message on every rank, except the "local" case's failing rank (it raises its own error).
+            texts = {r: a[case] for r, a in enumerate(agreed) if not (case == "local" and r == 1)}
+            assert len(set(texts.values())) == 1, (case, texts)
+            if case != "local":
+                assert all(f"rank {r}:" in texts[0] for r in range(world)), texts[0]
         messages = {text.split("\n", 1)[1] for text in reports.values()}
         assert len(messages) == 1, messages
         message = messages.pop()

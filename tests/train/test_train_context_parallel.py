@@ -9,7 +9,8 @@ One spawn of 2 gloo processes (cp=2, dp=1; process start-up dominates the cost) 
 - ``train()`` with ``--cp 2`` stopped after 2 steps and resumed to the end, and a head-tail run (ratios 0,4: a
   halo of 8 rows, so 64-row chunks are enough); then (rank 0, group gone, warm and single-threaded: the cheapest place)
   the same options with ``--cp 1``. The parent compares the logs (fp32: rtol 1e-4; rounding differs, the batches
-  and maths do not).
+  and maths do not);
+- a rank that raises inside a step and stays alive: the other stops within --pg-timeout naming it.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import datetime
 import json
 import os
 import tempfile
+import time
 import traceback
 
 import pytest
@@ -77,6 +79,39 @@ def _check_eval(par, partition):
     assert want["indexer_loss"] > 0 and want["answers"] > 0
 
 
+def _check_a_failing_rank(rank, result_dir):
+    """Rank 1 raises inside step 2 (before its gradient all-reduce) and stays alive, stuck in a barrier of the
+    default group as a hung process would be; rank 0, waiting in that all-reduce, must stop within --pg-timeout
+    (5 s here) with an error naming rank 1, the step and the cause."""
+    real, calls = distributed.sum_gradients, []
+
+    def failing(parameters, cp_group):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected fault on rank 1")
+        return real(parameters, cp_group)
+
+    if rank == 1:
+        distributed.sum_gradients = failing
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError) as err:
+            train(TrainConfig(**dict(RUN, ratios=(0,), steps=3), cp=2, pg_timeout=5,
+                              out=os.path.join(result_dir, "failing")))
+    finally:
+        distributed.sum_gradients = real
+    waited = time.monotonic() - started
+    if rank == 0:
+        assert isinstance(err.value, distributed.RankFailed), repr(err.value)
+        message = str(err.value)
+        assert "rank 1 failed at step 2: RuntimeError: injected fault on rank 1" in message, message
+        assert "--pg-timeout 5 s" in message, message
+        assert waited < 5 + 25, waited                  # the timeout, plus start-up and one step
+    else:
+        assert "injected fault on rank 1" in str(err.value)
+    dist.barrier()            # rank 1 "stays alive" in here until rank 0 has given up and comes to it
+
+
 def _worker(rank, world, init_file, result_dir):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -92,6 +127,7 @@ def _worker(rank, world, init_file, result_dir):
         train(TrainConfig(**RUN, cp=2, out=out, resume=out))
         train(TrainConfig(**HEAD_TAIL_RUN, cp=2, out=os.path.join(result_dir, "cp2_head_tail")))
         assert dist.is_initialized(), "train() must leave a caller's process group alone"
+        _check_a_failing_rank(rank, result_dir)
         dist.destroy_process_group()
         if rank == 0:
             train(TrainConfig(**RUN, out=os.path.join(result_dir, "cp1")))
@@ -104,6 +140,17 @@ def _worker(rank, world, init_file, result_dir):
         raise
 
 
+def _join_or_kill(context, deadline_s):
+    """Wait for every spawned process; past ``deadline_s`` kill them all and fail (a hang must not stall CI)."""
+    deadline = time.monotonic() + deadline_s
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"the spawned ranks did not finish within {deadline_s} s (killed)")
+
+
 def _records(out, kind):
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
@@ -112,7 +159,8 @@ def test_cp2_equals_the_single_process_step_eval_and_run(tmp_path):
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world, join=True)
+            context = mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world, join=False)
+            _join_or_kill(context, deadline_s=420)
         finally:
             reports = {r: open(os.path.join(tmp, f"rank{r}.txt")).read()
                        if os.path.exists(os.path.join(tmp, f"rank{r}.txt")) else "no report" for r in range(world)}
