@@ -276,6 +276,16 @@ def _worker() -> None:
         deltas.append(got.dtype == torch.float32 and got.shape == (T_, H_)
                       and bool(((got.double() - want).abs() <= 1e-5 * (1 + want.abs())).all()))
     results["delta_from_out"] = all(deltas)
+    # NaN in one query row (value checks off): that row's out and lse are NaN, as in the reference; others finite.
+    q_nan = torch.randn(6, 4, 64, generator=gen).to(torch.bfloat16)
+    q_nan[2, 1, 5] = float("nan")
+    kv_n = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
+    idx_n = torch.randint(0, 20, (6, 8), generator=gen, dtype=torch.int32)
+    out_n, lse_n = sa_triton._sparse_attn_fwd(q_nan, kv_n, idx_n, torch.zeros(4), 64 ** -0.5)
+    rows_ok = torch.ones(6, dtype=torch.bool)
+    rows_ok[2] = False
+    results["nan_propagates"] = bool(torch.isnan(out_n[2, 1]).all() and torch.isnan(lse_n[2, 1])
+                                     and torch.isfinite(out_n[rows_ok]).all() and torch.isfinite(lse_n[rows_ok]).all())
     results["plumbing"] = dict(
         registered="sparse_attention" in backend.registered_kernels()
         and backend.kernel("sparse_attention") is sa_triton.sparse_attention_triton,
@@ -287,6 +297,10 @@ def _worker() -> None:
 
 def test_delta_from_out_prepass(interpreted):
     assert interpreted["delta_from_out"]
+
+
+def test_nan_in_q_propagates_to_out_and_lse(interpreted):
+    assert interpreted["nan_propagates"]
 
 
 @pytest.fixture(scope="module")

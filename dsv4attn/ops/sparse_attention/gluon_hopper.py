@@ -85,7 +85,7 @@ if IMPORTED:
         sink = gl.load(SINK + h_s)
         m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
         denom = l_i + gl.exp2(sink * LOG2E_C - m_safe)
-        has_keys = l_i > 0
+        has_keys = (l_i > 0) | (l_i != l_i)          # a NaN score propagates (as in the reference)
         if WRITE_LSE:
             lse = gl.where(has_keys, (m_safe + gl.log2(gl.where(has_keys, l_i, 1.0))) * LN2_C,
                            float("-inf"))

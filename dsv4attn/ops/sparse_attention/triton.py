@@ -167,7 +167,8 @@ def _sparse_attn_fwd_kernel(
     sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0)
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     denom = l_i + tl.exp2(sink * 1.4426950408889634 - m_safe)
-    has_keys = l_i > 0
+    # l != l: a NaN score (NaN in q or kv) reaches out and lse as it does in the reference, not hidden as "no keys".
+    has_keys = (l_i > 0) | (l_i != l_i)
     out = tl.where(has_keys[:, None], acc / denom[:, None], 0.0)
     tl.store(OUT + t * H * D + offs_h[:, None] * D + offs_dv[None, :], round_to(out, OUT, DOT_MODE == 2),
              mask=h_mask[:, None])
