@@ -298,7 +298,7 @@ def train(cfg: TrainConfig) -> dict:
                disable=not is_main)
     tok_rate = None
     # The newest good checkpoint of this run (step, where --resume finds it): what a stopped run leaves behind.
-    last_saved = (start, cfg.resume) if ckpt is not None else None
+    last_saved = (start, cfg.resume) if loaded is not None else None
     try:
         prev_phase = cfg.phase_of(start - 1) if start else None
         end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps

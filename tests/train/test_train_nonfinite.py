@@ -33,8 +33,7 @@ def test_nan_loss_stops_at_its_step_and_keeps_the_last_checkpoint(tmp_path, caps
     err = capsys.readouterr().err
     assert "step 2 (warmup phase): the loss is nan" in err, err
     assert "newest checkpoint (step 1) stays latest" in err and f"--resume {out}" in err, err
-    latest = ckpt_io.find_checkpoint(out)
-    assert ckpt_io.read_meta(latest)["step"] == 1                       # the last good state
+    assert ckpt_io.load_checkpoint(out).meta["step"] == 1               # the last good state
     assert [p.name for p in (out / "checkpoints").iterdir() if p.is_dir()] == ["step_0000001"]
     records = _records(out)
     assert [r["step"] for r in records if r["kind"] == "train"] == [1]     # the broken step is not logged as one
