@@ -14,50 +14,22 @@ import argparse
 import dataclasses
 import sys
 
-from ..parallel import PARTITIONS
 from .config import TrainConfig
 
-HELP = {
-    "steps": "optimizer steps in total",
-    "dense_steps": "steps in the dense phase (CSA attends every visible compressed entry; indexer idle)",
-    "warmup_steps": "steps in the warm-up phase after the dense one (sparse attention, dense indexer teacher)",
-    "model": "model preset: tiny (CPU, minutes) or small (GPU throughput)",
-    "ratios": "comma-separated compress ratio of each layer: 0 window, 4 CSA, 128 HCA",
-    "indexer_loss_coeff": "coefficient of the indexer KL loss",
-    "data": "UTF-8 text file or folder of them (byte-level); default: the built-in retrieval task",
-    "capacity": "rows (tokens) of every packed batch, one per data-parallel replica (split across its --cp ranks)",
-    "seed": "seed of the model init and the data stream",
-    "lr": "peak AdamW learning rate",
-    "lr_warmup_steps": "linear LR warm-up steps (then cosine decay)",
-    "min_lr_ratio": "final LR as a fraction of --lr",
-    "weight_decay": "AdamW weight decay on matrices (never on the indexer)",
-    "grad_clip": "clip the global gradient norm to this value (0: off)",
-    "eval_every": "held-out evaluation every N steps (and after the last)",
-    "eval_batches": "held-out batches per evaluation",
-    "save_every": "checkpoint every N steps (and after the last); 0: only the last",
-    "keep": "checkpoints to keep",
-    "out": "run directory (metrics.jsonl, checkpoints/, curves.png, summary.txt)",
-    "resume": "continue from a checkpoint directory or a run directory (its latest checkpoint)",
-    "overwrite": "replace a run already in --out",
-    "stop_after": "stop after N steps of this session with a checkpoint (continue with --resume); 0: never",
-    "plot": "write curves.png at the end (--no-plot to skip)",
-    "device": "auto (cuda when available), cpu or cuda",
-    "cp": "context-parallel ranks per replica: under torchrun, world = data-parallel x --cp",
-    "cp_partition": "rows of each context-parallel rank: contiguous (one slice) or head_tail (chunks i and "
-                    "2C-1-i of 2C: even causal work)",
-    "pg_timeout": "seconds a collective waits for the other ranks; past it the job stops on every rank with an "
-                  "error naming the rank that failed (instead of waiting forever)",
-}
 
-
-def _ratios(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ratios must be comma-separated ints such as 0,4,128,4, got {text!r}")
+def _int_list(flag: str, example: str):
+    """argparse type of a tuple-of-ints option: comma-separated, such as its default ``example``."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be comma-separated ints such as {example}, got {text!r}")
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """One ``--name`` per TrainConfig field: its help and extra settings (``choices``) from the field's metadata,
+    its type from the default (tuple of ints: comma-separated; bool: ``--name`` / ``--no-name``)."""
     parser = argparse.ArgumentParser(
         prog="python -m dsv4attn.train",
         description="Train a small decoder LM built from DeepSeek-V4 hybrid attention layers through the "
@@ -67,15 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if f.type in ("bool",) or isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=HELP[f.name])
-        elif f.name == "ratios":
-            parser.add_argument(flag, type=_ratios, default=default, help=HELP[f.name] + " (default 0,4,128,4)")
-        elif f.name == "cp_partition":
-            parser.add_argument(flag, choices=PARTITIONS, default=default, help=f"{HELP[f.name]} (default {default})")
+        extra = {k: v for k, v in f.metadata.items() if k != "help"}
+        helps = f.metadata["help"]
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps, **extra)
+        elif isinstance(default, tuple):
+            shown = ",".join(map(str, default))
+            parser.add_argument(flag, type=_int_list(flag, shown), default=default,
+                                help=f"{helps} (default {shown})", **extra)
         else:
             kind = type(default) if default is not None else str
-            parser.add_argument(flag, type=kind, default=default, help=f"{HELP[f.name]} (default {default})")
+            parser.add_argument(flag, type=kind, default=default, help=f"{helps} (default {default})", **extra)
     return parser
 
 
@@ -87,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     from .distributed import RankFailed
-    from .loop import NonFiniteStep, train
+    from .loop import train
+    from .step import NonFiniteStep
     cfg = None
     try:
         cfg = parse_args(argv)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import COMPRESS_RATIOS, Phase
 from ..parallel import PARTITIONS
@@ -15,43 +15,60 @@ from ..parallel import num_chunks
 from .model import DEFAULT_RATIOS, PRESETS, largest_halo, model_config
 
 
+def option(default, help: str, **extra):
+    """A TrainConfig field and its command-line help, written once: cli.py builds ``--name`` from it (``extra``:
+    more argparse settings, such as ``choices``)."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
 @dataclass
 class TrainConfig:
     # schedule: steps [0, dense_steps) dense, then warmup_steps warm-up, then sparse until steps
-    steps: int = 600                    # optimizer steps in total
-    dense_steps: int = 300              # dense phase: CSA attends every visible entry, indexer idle
-    warmup_steps: int = 100             # warm-up: sparse main path, indexer trained on the dense teacher
+    steps: int = option(600, "optimizer steps in total")
+    dense_steps: int = option(300, "steps in the dense phase (CSA attends every visible compressed entry; indexer "
+                                   "idle)")
+    warmup_steps: int = option(100, "steps in the warm-up phase after the dense one (sparse attention, dense "
+                                    "indexer teacher)")
     # model
-    model: str = "tiny"                 # preset of dsv4attn.train.model.PRESETS
-    ratios: tuple[int, ...] = DEFAULT_RATIOS  # compress ratio of each layer (0 window, 4 CSA, 128 HCA)
-    indexer_loss_coeff: float = 0.01    # lambda of the indexer KL loss (spec decision 7)
+    model: str = option("tiny", "model preset: tiny (CPU, minutes) or small (GPU throughput)")    # model.PRESETS
+    ratios: tuple[int, ...] = option(DEFAULT_RATIOS, "comma-separated compress ratio of each layer: 0 window, "
+                                                     "4 CSA, 128 HCA")
+    indexer_loss_coeff: float = option(0.01, "coefficient of the indexer KL loss")     # lambda, spec decision 7
     # data
-    data: str | None = None             # None: built-in retrieval task; else a UTF-8 file or folder (bytes)
-    capacity: int = 1024                # rows of every packed batch: one per data-parallel replica (its CP ranks
-                                        # split it; padded up to equal chunks, see batch_rows)
-    seed: int = 0                       # model init and data stream
+    data: str | None = option(None, "UTF-8 text file or folder of them (byte-level); default: the built-in "
+                                    "retrieval task")
+    # one batch per data-parallel replica; its CP ranks split it, padded up to equal chunks (see batch_rows)
+    capacity: int = option(1024, "rows (tokens) of every packed batch, one per data-parallel replica (split "
+                                 "across its --cp ranks)")
+    seed: int = option(0, "seed of the model init and the data stream")
     # optimizer (AdamW) and LR schedule: linear warm-up, then cosine down to min_lr_ratio * lr
-    lr: float = 3e-3
-    lr_warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0           # on matrices only; the indexer's idle dense-phase steps stay exact
-    grad_clip: float = 1.0              # max global grad norm; 0 disables clipping
+    lr: float = option(3e-3, "peak AdamW learning rate")
+    lr_warmup_steps: int = option(20, "linear LR warm-up steps (then cosine decay)")
+    min_lr_ratio: float = option(0.1, "final LR as a fraction of --lr")
+    # never on the indexer, so that its idle dense-phase steps leave it exactly unchanged
+    weight_decay: float = option(0.0, "AdamW weight decay on matrices (never on the indexer)")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this value (0: off)")
     # what the run shows and writes
-    eval_every: int = 50                # held-out evaluation every N steps (and after the last)
-    eval_batches: int = 8               # held-out batches per evaluation
-    save_every: int = 200               # checkpoint every N steps (and after the last); 0 = last only
-    keep: int = 2                       # checkpoints kept (oldest deleted first)
-    out: str = "runs/default"
-    resume: str | None = None           # checkpoint dir or run dir (its latest checkpoint)
-    overwrite: bool = False             # allow a fresh run into a non-empty --out
-    stop_after: int = 0                 # stop (with a checkpoint) after this many steps of this session; 0 = never
-    plot: bool = True                   # write curves.png at the end
+    eval_every: int = option(50, "held-out evaluation every N steps (and after the last)")
+    eval_batches: int = option(8, "held-out batches per evaluation")
+    save_every: int = option(200, "checkpoint every N steps (and after the last); 0: only the last")
+    keep: int = option(2, "checkpoints to keep")                                       # oldest deleted first
+    out: str = option("runs/default", "run directory (metrics.jsonl, checkpoints/, curves.png, summary.txt)")
+    resume: str | None = option(None, "continue from a checkpoint directory or a run directory (its latest "
+                                      "checkpoint)")
+    overwrite: bool = option(False, "replace a run already in --out")
+    stop_after: int = option(0, "stop after N steps of this session with a checkpoint (continue with --resume); "
+                                "0: never")
+    plot: bool = option(True, "write curves.png at the end (--no-plot to skip)")
     # devices and parallelism
-    device: str = "auto"                # auto = cuda when available, else cpu
-    cp: int = 1                         # context-parallel ranks per replica (torchrun world = data-parallel x cp)
-    cp_partition: str = "contiguous"    # rows of a CP rank: one slice, or "head_tail" (2 chunks, balanced work)
-    pg_timeout: float = 300.0           # seconds a collective may wait for the other ranks before the job stops,
-                                        # naming the rank that failed (the job's own process groups)
+    device: str = option("auto", "auto (cuda when available), cpu or cuda")
+    cp: int = option(1, "context-parallel ranks per replica: under torchrun, world = data-parallel x --cp")
+    cp_partition: str = option("contiguous", "rows of each context-parallel rank: contiguous (one slice) or "
+                                             "head_tail (chunks i and 2C-1-i of 2C: even causal work)",
+                               choices=PARTITIONS)
+    pg_timeout: float = option(300.0, "seconds a collective waits for the other ranks; past it the job stops on "
+                                      "every rank with an error naming the rank that failed (instead of waiting "
+                                      "forever)")
 
     def __post_init__(self) -> None:
         self.ratios = tuple(self.ratios)

@@ -123,3 +123,48 @@ def evaluate(model: DecoderLM, batches: list[Batch], phase: str, device: torch.d
         "indexer_loss": probe["kl"] / rows if has_indexer and rows else None,
         "indexer_recall": probe["hits"] / probe["wanted"] if probe["wanted"] else None,
     }
+
+
+class Evaluator:
+    """Held-out evaluation of a run: every ``eval_every`` steps and after the session's last step, on replica 0's
+    ranks only (``active``), logged to ``run`` and shown through ``say`` (rank 0 prints).
+
+    ``batches`` are built once (the same held-out batches at every evaluation); ``last`` holds the newest metrics.
+    """
+
+    def __init__(self, model: DecoderLM, batches: list[Batch], every: int, end: int, device, autocast, par,
+                 cp_partition: str, run, say, active: bool):
+        self.model, self.batches, self.every, self.end = model, batches, every, end
+        self.device, self.autocast, self.cp_group, self.cp_partition = device, autocast, par.cp_group, cp_partition
+        self.run, self.say, self.active = run, say, active
+        self.last: dict | None = None
+
+    def _evaluate(self, phase: str) -> dict:
+        self.last = evaluate(self.model, self.batches, phase, self.device, self.autocast, self.cp_group,
+                             self.cp_partition)
+        return self.last
+
+    def maybe_run(self, done: int, phase: str) -> dict | None:
+        """Evaluate after ``done`` steps (the last of them in ``phase``) if it is due; returns the metrics."""
+        if not self.active or not (done % self.every == 0 or done == self.end):
+            return None
+        metrics = self._evaluate(phase)
+        self.run.log({"kind": "eval", "step": done, "phase": phase, **metrics})
+        self.say(eval_line(done, phase, metrics))
+        return metrics
+
+    def final(self, done: int, phase: str) -> dict | None:
+        """The metrics for the summary: the newest of this session, or (a session that ran no step: resumed at or
+        past the end) the model's now, logged unless the run's log holds that step's evaluation already."""
+        if self.active and self.last is None:
+            self._evaluate(phase)
+            if done not in self.run.logged_evals:
+                self.run.log({"kind": "eval", "step": done, "phase": phase, **self.last})
+        return self.last
+
+
+def eval_line(step: int, phase: str, m: dict) -> str:
+    """One screen line of an evaluation's metrics."""
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+    return (f"eval @ {step} ({phase}): lm_loss {m['lm_loss']:.4f}  retrieval_acc {fmt(m['retrieval_acc'], '.3f')}  "
+            f"indexer_loss {fmt(m['indexer_loss'], '.5f')}  recall@k {fmt(m['indexer_recall'], '.3f')}")

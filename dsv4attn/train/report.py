@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+
+from .checkpoint import atomic_write_text
 
 PHASE_COLOURS = {"dense": "#dfe9f5", "warmup": "#fbe8d0", "sparse": "#e0f0dc"}
 
@@ -93,3 +96,39 @@ def summary_text(s: dict) -> str:
         "=" * 72,
     ]
     return "\n".join(lines) + "\n"
+
+
+class Throughput:
+    """Time and tokens of this session's training steps: totals for the summary, a smoothed rate for the bar."""
+
+    def __init__(self, start_step: int):
+        self.start_step, self.wall_start = start_step, time.perf_counter()
+        self.train_time_s, self.tokens, self.rate = 0.0, 0, None
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.train_time_s += seconds
+        self.tokens += tokens
+        now = tokens / seconds
+        self.rate = now if self.rate is None else 0.9 * self.rate + 0.1 * now
+
+
+def write_summary(out: Path, cfg, mcfg, device, world: int, meter: Throughput, last_eval: dict, params: int,
+                  done: int) -> dict:
+    """Write curves.png (unless --no-plot), summary.txt and summary.json into ``out``, print the summary (rank 0)
+    and return it as a dict."""
+    summary = {
+        "out": str(out), "steps": cfg.steps, "done": done, "steps_this_session": done - meter.start_step,
+        "ratios": list(cfg.ratios), "device": str(device), "world_size": world, "cp": cfg.cp, "params": params,
+        "wall_time_s": time.perf_counter() - meter.wall_start, "train_time_s": meter.train_time_s,
+        "tokens": meter.tokens, "tokens_per_s": meter.tokens / meter.train_time_s if meter.train_time_s else None,
+        "final_eval": last_eval, "schedule": {"dense": cfg.dense_steps, "warmup": cfg.warmup_steps,
+                                              "sparse": cfg.steps - cfg.dense_steps - cfg.warmup_steps},
+    }
+    if cfg.plot:
+        summary["plot"] = str(plot_curves(out / "metrics.jsonl", out / "curves.png", cfg,
+                                          mcfg.attention.index_topk))
+    text = summary_text(summary)
+    atomic_write_text(out / "summary.txt", text)
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+    print(text, flush=True)
+    return summary

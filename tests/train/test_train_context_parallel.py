@@ -30,8 +30,9 @@ from dsv4attn.layers import HybridAttention
 from dsv4attn.train import TrainConfig, distributed
 from dsv4attn.train.data import EVAL, TRAIN, RetrievalTask
 from dsv4attn.train.evaluate import evaluate
-from dsv4attn.train.loop import loss_and_grads, train
+from dsv4attn.train.loop import train
 from dsv4attn.train.model import DecoderLM, largest_halo, model_config
+from dsv4attn.train.step import loss_and_grads
 
 # capacity -> rows for --cp 2: chunks of 128 rows = the HCA halo (2 chunks contiguous, 4 head-tail)
 CAPACITY = {"contiguous": 255, "head_tail": 511}

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dsv4attn.train import checkpoint as ckpt_io
-from dsv4attn.train import distributed, loop
+from dsv4attn.train import distributed, step
+from dsv4attn.train.setup import build_optimizer
 from train_helpers import run_cli, tree_digest
 
 
@@ -28,7 +29,7 @@ def _records(out):
 
 def test_nan_loss_stops_at_its_step_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    _poison_call(monkeypatch, loop, "lm_loss", 2, lambda real, a, k: real(*a, **k) * float("nan"))
+    _poison_call(monkeypatch, step, "lm_loss", 2, lambda real, a, k: real(*a, **k) * float("nan"))
     assert run_cli("--out", str(out), "--save-every", "1", "--eval-every", "100") == 1
     err = capsys.readouterr().err
     assert "step 2 (warmup phase): the loss is nan" in err, err
@@ -55,7 +56,7 @@ def test_infinite_gradient_is_named_and_nothing_is_saved(tmp_path, capsys, monke
 
 
 def test_the_step_is_checked_before_the_optimizer_moves(monkeypatch):
-    """_train_step raises before optimizer.step: parameters and optimizer state are those of before the step."""
+    """train_step raises before optimizer.step: parameters and optimizer state are those of before the step."""
     from dsv4attn.train.config import TrainConfig
     from dsv4attn.train.data import TRAIN, make_source
     from dsv4attn.train.model import DecoderLM, model_config
@@ -64,12 +65,12 @@ def test_the_step_is_checked_before_the_optimizer_moves(monkeypatch):
     mcfg = model_config("tiny", (0, 4))
     torch.manual_seed(0)
     model = DecoderLM(mcfg)
-    optimizer = loop._optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg)
     batch = make_source(None, n_layers=2, window=mcfg.attention.sliding_window).batch(0, TRAIN, 0, 96)
     model.blocks[0].attn.q_a_proj.weight.data[0, 0] = float("nan")    # a NaN parameter: NaN loss and gradients
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(loop.NonFiniteStep, match=r"step 5 \(dense phase\): the loss is nan"):
-        loop._train_step(model, model, optimizer, batch, "dense", cfg, None, None, step=4)
+    with pytest.raises(step.NonFiniteStep, match=r"step 5 \(dense phase\): the loss is nan"):
+        step.train_step(model, optimizer, batch, "dense", 4, cfg.grad_clip)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0, equal_nan=True, msg=name)
     assert optimizer.state_dict()["state"] == {}                              # no optimizer step was taken

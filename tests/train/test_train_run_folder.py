@@ -79,7 +79,7 @@ def test_overwrite_with_a_resume_from_another_run(tmp_path, runs):
 def test_ctrl_c_then_resume_logs_every_step_once(tmp_path, monkeypatch, capsys, runs):
     """The probe's case: SIGINT after step 5 (checkpoint at 4), then --resume: steps 5 was logged twice."""
     out = tmp_path / "run"
-    step = loop._train_step
+    step = loop.train_step
     calls = []
 
     def interrupted(*args, **kwargs):
@@ -87,7 +87,7 @@ def test_ctrl_c_then_resume_logs_every_step_once(tmp_path, monkeypatch, capsys, 
         if len(calls) == 6:
             raise KeyboardInterrupt
         return step(*args, **kwargs)
-    monkeypatch.setattr(loop, "_train_step", interrupted)
+    monkeypatch.setattr(loop, "train_step", interrupted)
     capsys.readouterr()
     assert run_fast("--out", str(out)) == 130
     assert f"interrupted: continue from the last checkpoint with --resume {out}" in capsys.readouterr().err

@@ -1,0 +1,74 @@
+"""When a run saves and what it resumes from: the call sites of :mod:`dsv4attn.train.checkpoint` (which owns the
+crash-safe save and the verified load).
+
+Contract: :func:`resume_point` reads and checks ``--resume`` before anything is written; :class:`Checkpointer`
+saves every ``--save-every`` steps and after the last step of the session (rank 0 writes: the replicas hold the
+same weights and optimizer state), and remembers the newest good checkpoint, which a stopped run names.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt_io
+from .config import TrainConfig, resume_mismatches
+
+
+def resume_point(cfg: TrainConfig, world: int) -> ckpt_io.Loaded | None:
+    """The checkpoint named by --resume, checked and read, after checking it can continue this run; or None."""
+    if cfg.resume is None:
+        return None
+    loaded = ckpt_io.load_checkpoint(cfg.resume)
+    meta = loaded.meta
+    diffs = resume_mismatches(meta["run_config"], cfg)
+    if meta.get("world_size", 1) != world:
+        diffs.append(f"world size: checkpoint {meta.get('world_size', 1)}, now {world}")
+    if diffs:
+        raise ValueError(f"--resume {cfg.resume}: the run options differ from the checkpoint's ({loaded.path}), so "
+                         f"it cannot continue that run (nothing was written):\n  " + "\n  ".join(diffs))
+    return loaded
+
+
+def restore(loaded: ckpt_io.Loaded | None, model, optimizer) -> int:
+    """Put ``loaded`` into ``model``, ``optimizer`` and the RNGs; returns the step to continue from (0: fresh)."""
+    if loaded is None:
+        return 0
+    ckpt_io.load_into(loaded, model, optimizer)
+    ckpt_io.set_rng_state(loaded.meta["rng"])
+    loaded.weights = loaded.optimizer_state = None      # in the model and optimizer now: free the copies
+    return loaded.meta["step"]
+
+
+class Checkpointer:
+    """Saves ``out/checkpoints/step_N`` when due and knows the newest good checkpoint of the run."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, is_main: bool, end: int, about: dict, data: dict, dp: int,
+                 last_saved: tuple[int, object] | None):
+        # ``about``: the configs and world size every checkpoint records; ``data``: the data source's description
+        # (each checkpoint adds its position); ``end``: the session's last step, always saved so that --resume
+        # continues where it stopped; ``last_saved``: (step, where --resume finds it) of the checkpoint resumed.
+        self.cfg, self.out, self.is_main, self.end = cfg, out, is_main, end
+        self.about, self.data, self.dp, self.last_saved = about, data, dp, last_saved
+
+    def maybe_save(self, done: int, model: torch.nn.Module, optimizer, tokens_seen: int) -> bool:
+        """Save after ``done`` steps if it is due; returns whether it saved."""
+        cfg = self.cfg
+        if not ((cfg.save_every and done % cfg.save_every == 0) or done == self.end):
+            return False
+        if self.is_main:
+            meta = {"step": done, "phase": cfg.phase_of(done - 1),
+                    "next_phase": cfg.phase_of(done) if done < cfg.steps else None,
+                    "data": {**self.data, "next_batch": done * self.dp}, **self.about,
+                    "rng": ckpt_io.rng_state(), "tokens_seen_this_session": tokens_seen,
+                    "torch_version": torch.__version__}
+            ckpt_io.save_checkpoint(self.out, model, optimizer, meta, cfg.keep)
+        self.last_saved = (done, self.out)
+        return True
+
+    def kept_note(self) -> str:
+        """What a run that stops now leaves behind, for its error message."""
+        if self.last_saved is None:
+            return "no checkpoint was written yet"
+        step, where = self.last_saved
+        return f"the newest checkpoint (step {step}) stays latest; resume from it with --resume {where}"
