@@ -1,4 +1,4 @@
-"""Triton compressor pooling (spec decision 4) on the GPU: correctness at V4-Flash shapes, then one timing table.
+"""Triton compressor pooling (docs/semantics.md, decision 4) on the GPU: correctness at V4-Flash shapes, then one timing table.
 
 Shapes (V4-Flash, hidden 4096): ratio 4 pools kv / gate of width 2 x 512, ratio 128 of width 512, bf16, fp32
 position bias; T packed rows in four documents of uneven lengths (every one leaves a tail) and 77 rows of capacity
@@ -9,7 +9,7 @@ padding. The op is memory-bound, so the table reports bandwidth:
 
 (the ratio-128 forward also writes, and its backward reads, 8 bytes per entry-channel of softmax statistics, 1/64 of
 the inputs: not counted), over the device-to-device copy bandwidth measured on the lent H200, 4.3 TB/s
-(spec/PERFORMANCE.md; target >= 50%). "peak MiB" is what a call allocates beyond its inputs. "x reference" is the
+(docs/performance.md; target >= 50%). "peak MiB" is what a call allocates beyond its inputs. "x reference" is the
 reference op's time (PyTorch, same inputs; backward = autograd of its graph) over the kernel's. Run (CUDA):
 
     python benchmarks/compressor.py [--T 8192 32768 131072] [--ratio 4 128] [--check-T 32768] [--sweep] [--log f]
@@ -21,7 +21,7 @@ import argparse
 import torch
 from gpu_timing import peak_mib, start_log, time_ms
 
-HBM_GBPS = 4300.0               # device-to-device copy, 4 GiB, measured on the lent H200 (PERFORMANCE.md)
+HBM_GBPS = 4300.0               # device-to-device copy, 4 GiB, measured on the lent H200 (docs/performance.md)
 HEAD_DIM = 512
 PADDING = 77
 

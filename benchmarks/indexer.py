@@ -2,7 +2,7 @@
 
 Flash geometry from ``AttentionConfig.flash()`` (index_n_heads 64, index_head_dim 128, index_topk 512, ratio 4),
 bf16 inputs, one document of T rows by default (``--doc-len`` packs equal documents instead). FLOPs follow
-spec/PERFORMANCE.md: score = 2 * Hi * Di * (visible pairs) = 2 * Hi * Di * sum_t row_visible[t] (~ T^2 / 8 for
+docs/performance.md: score = 2 * Hi * Di * (visible pairs) = 2 * Hi * Di * sum_t row_visible[t] (~ T^2 / 8 for
 one document). ``score ms`` runs only the score kernel over the same query chunks; ``top-k ms`` is the rest
 (total - score: the select kernel over the int32 score orders, which also maps the indices). Times are the median
 of 10 runs after warm-up (CUDA events); the kernels are called directly (no argument checks). Run (CUDA, Triton):
@@ -17,7 +17,7 @@ import argparse
 import torch
 from gpu_timing import peak_mib, start_log, time_ms
 
-MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (PERFORMANCE.md)
+MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (docs/performance.md)
 RATIO = 4
 
 

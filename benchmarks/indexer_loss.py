@@ -20,7 +20,7 @@ import argparse
 import torch
 from gpu_timing import peak_mib, start_log, time_ms
 
-MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (PERFORMANCE.md)
+MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (docs/performance.md)
 H, D, HI, DI, TOPK, RATIO = 64, 512, 64, 128, 512, 4
 
 

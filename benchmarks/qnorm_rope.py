@@ -9,7 +9,7 @@ bandwidth over the bytes a single pass must move (N = T * 64 * 512 elements, e b
     inverse_rope  fwd: read x, write out = 2 N e      fwd+bwd: + read dout, write dx = 4 N e
 
 (the fp32 cos / sin table, 1/(8 * 64) of the tensor per op, is not counted) against the device-to-device copy
-bandwidth measured on the lent H200, 4.3 TB/s (spec/PERFORMANCE.md). Forward runs with autograd recording (what
+bandwidth measured on the lent H200, 4.3 TB/s (docs/performance.md). Forward runs with autograd recording (what
 training does: the reference then also keeps its saved tensors). "peak MiB" is what a call allocates beyond its
 inputs; "x PyTorch" is the PyTorch time over the kernel's. Run (CUDA):
 
@@ -22,7 +22,7 @@ import argparse
 import torch
 from gpu_timing import peak_mib, start_log, time_ms
 
-HBM_GBPS = 4300.0               # device-to-device copy, 4 GiB, measured on the lent H200 (PERFORMANCE.md)
+HBM_GBPS = 4300.0               # device-to-device copy, 4 GiB, measured on the lent H200 (docs/performance.md)
 HEADS, HEAD_DIM, ROPE_DIM = 64, 512, 64
 PADDING = 77
 EPS = 1e-6

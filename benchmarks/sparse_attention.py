@@ -2,7 +2,7 @@
 
 Shapes: H = 64 heads, D = 512, K = 640 slots per query = 128 window rows (t-127 .. t, -1 before the start) +
 512 random earlier rows (uniform in [0, t-128), -1 where none exist; drawn with replacement, so rare repeats
-count once per occurrence, as the op defines). FLOPs follow spec/PERFORMANCE.md: forward = 4*T*H*K*D counting
+count once per occurrence, as the op defines). FLOPs follow docs/performance.md: forward = 4*T*H*K*D counting
 masked slots, backward = 2.5x forward. Run (CUDA, Triton):
 
     python benchmarks/sparse_attention.py --T 8192 32768 65536 --H 64 128 [--check-T 8192] [--sweep]
@@ -23,7 +23,7 @@ import sys
 import torch
 from gpu_timing import paired_ms, peak_mib, start_log, time_ms
 
-MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (PERFORMANCE.md)
+MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (docs/performance.md)
 D, WINDOW, TOPK = 512, 128, 512
 H = 64                          # default; --H sets it per table row
 

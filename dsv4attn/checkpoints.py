@@ -1,5 +1,5 @@
 """Checkpoint names of one attention layer: native (= this package's module tree), Hugging Face transformers
-``DeepseekV4Attention`` and DeepSeek's released checkpoints (spec decision 12).
+``DeepseekV4Attention`` and DeepSeek's released checkpoints (docs/semantics.md, decision 12).
 
 Native names mirror Hugging Face's except for the indexer, which here is a sibling of the compressor
 (``indexer.*``, as in DeepSeek's release) instead of living under ``compressor.indexer.*``.

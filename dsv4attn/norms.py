@@ -42,5 +42,5 @@ class _UnweightedRMSNorm(torch.autograd.Function):
 
 
 def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-head unweighted RMSNorm of the queries (section 3.2 step 4), statistics in fp32."""
+    """Per-head unweighted RMSNorm of the queries (docs/semantics.md, "Query path" step 4), statistics in fp32."""
     return _UnweightedRMSNorm.apply(x, eps)

@@ -2,7 +2,7 @@
 
 A packed batch holds ``T`` rows: documents back to back (``cu_seqlens[b] .. cu_seqlens[b+1]``), then capacity
 padding rows ``cu_seqlens[-1] .. T``. Empty documents (``cu_seqlens[b] == cu_seqlens[b+1]``) are legal.
-Everything position-dependent resets at each document start (spec ALGORITHM.md section 7): RoPE positions,
+Everything position-dependent resets at each document start (docs/packing.md, "What resets at each document start"): RoPE positions,
 the sliding window, compressor groups (a tail shorter than the ratio makes no entry), compressed visibility
 and top-k candidates.
 

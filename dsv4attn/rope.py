@@ -1,8 +1,8 @@
-"""Interleaved partial RoPE (plain and YaRN) and its inverse (spec ALGORITHM.md section 3.1).
+"""Interleaved partial RoPE (plain and YaRN) and its inverse (docs/semantics.md, "RoPE and YaRN").
 
 RoPE acts on the *last* ``rope_dim`` channels of a vector; channel pairs ``(2i, 2i+1)`` of that slice rotate like a
 complex number by ``position * theta_i``; the leading channels pass through unchanged. The inverse rotates by
-``-position * theta_i``. Which table a layer uses depends only on its compress ratio (invariant 9.2): ratio 0 is
+``-position * theta_i``. Which table a layer uses depends only on its compress ratio (docs/semantics.md, invariant 9.2): ratio 0 is
 plain RoPE at ``rope_theta``; ratios 4 and 128 use ``compress_rope_theta`` with YaRN when ``rope_scaling`` is set,
 with the YaRN attention factor forced to 1 (cos/sin are never scaled).
 
@@ -41,7 +41,7 @@ def rope_frequencies(rope_dim: int, base: float, scaling: dict | None = None) ->
 
 
 def layer_rope_frequencies(config: AttentionConfig, compress_ratio: int) -> torch.Tensor:
-    """The table of a layer, chosen by its ratio and never by anything else (invariant 9.2)."""
+    """The table of a layer, chosen by its ratio and never by anything else (docs/semantics.md, invariant 9.2)."""
     if compress_ratio == 0:
         return rope_frequencies(config.qk_rope_head_dim, config.rope_theta, None)
     return rope_frequencies(config.qk_rope_head_dim, config.compress_rope_theta, config.rope_scaling)
@@ -61,8 +61,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
         x: (T, ..., D) any float dtype; middle dims (heads) share the row's position.
         positions: (T,) integer positions (in-document).
         inv_freq: (rope_dim // 2,) frequencies from :func:`rope_frequencies`.
-        inverse: rotate by -angle (the output inverse RoPE of section 3.7).
-    Returns a new tensor (never a view of ``x``: invariant 9.1) of the shape and dtype of ``x``.
+        inverse: rotate by -angle (the output inverse RoPE: docs/semantics.md, "Output").
+    Returns a new tensor (never a view of ``x``: docs/semantics.md, invariant 9.1) of the shape and dtype of ``x``.
     """
     rope_dim = 2 * inv_freq.shape[0]
     if rope_dim == 0:

@@ -1,5 +1,5 @@
 """AttentionConfig: presets, overrides, from_hf (transformers.DeepseekV4Config and config.json dicts),
-validation messages and the to_dict round trip (spec README decision 2, API.md)."""
+validation messages and the to_dict round trip (docs/semantics.md, decision 2; the API in README.md "Use a layer")."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""The public surface of spec/API.md exists with the documented signatures (extend, never rename)."""
+"""The public surface listed in README.md ("Use a layer", "Context parallelism") exists with the documented signatures (extend, never rename)."""
 from __future__ import annotations
 
 import inspect

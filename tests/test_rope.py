@@ -1,4 +1,4 @@
-"""Interleaved partial RoPE, YaRN frequencies and the inverse rotation (spec ALGORITHM.md section 3.1)."""
+"""Interleaved partial RoPE, YaRN frequencies and the inverse rotation (docs/semantics.md, "RoPE and YaRN")."""
 from __future__ import annotations
 
 import math
@@ -16,7 +16,7 @@ def plain_reference(rope_dim, base):
 
 
 def yarn_low_high(rope_dim, base, original, beta_fast=32.0, beta_slow=1.0):
-    """ALGORITHM.md 3.1: D(n) = d_r ln(L_orig / (2 pi n)) / (2 ln B); low = floor(D(b_fast)), high = ceil(D(b_slow))."""
+    """docs/semantics.md ("RoPE and YaRN"): D(n) = d_r ln(L_orig / (2 pi n)) / (2 ln B); low = floor(D(b_fast)), high = ceil(D(b_slow))."""
     def dim_of(n):
         return rope_dim * math.log(original / (2 * math.pi * n)) / (2 * math.log(base))
     low = max(math.floor(dim_of(beta_fast)), 0)
@@ -53,7 +53,7 @@ def test_plain_frequencies(base, rope_dim):
 
 @pytest.mark.parametrize("base, factor, low, high", [(160000.0, 16.0, 15, 25), (40000.0, 4.0, 17, 28)],
                          ids=["released-160000x16", "megatron-40000x4"])
-def test_yarn_low_high_as_in_spec(base, factor, low, high):
+def test_yarn_low_high_as_in_docs(base, factor, low, high):
     assert yarn_low_high(ROPE_DIM, base, 65536) == (low, high)
     got = rope_frequencies(ROPE_DIM, base, yarn(factor, 65536, beta_fast=32, beta_slow=1)).tolist()
     plain = plain_reference(ROPE_DIM, base)
@@ -85,7 +85,7 @@ def test_yarn_frequencies_match_formula(scaling):
 
 
 def test_yarn_low_equals_high_gets_epsilon():
-    # original 5: D(beta_slow) in (-1, 0] and D(beta_fast) < 0, so low == high == 0 and the spec uses
+    # original 5: D(beta_slow) in (-1, 0] and D(beta_fast) < 0, so low == high == 0 and docs/semantics.md ("RoPE and YaRN") uses
     # high = 0.001: pair 0 keeps its frequency, every other pair is divided by the factor (no division by zero).
     assert yarn_low_high(ROPE_DIM, 160000.0, 5) == (0, 0)
     got = rope_frequencies(ROPE_DIM, 160000.0, yarn(8.0, 5))

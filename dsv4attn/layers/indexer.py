@@ -10,12 +10,12 @@ from .compressor import Compressor
 
 
 class Indexer(nn.Module):
-    """Produces what the indexer scores are made of; the caller passes *detached* inputs (invariant 9.9).
+    """Produces what the indexer scores are made of; the caller passes *detached* inputs (docs/semantics.md, invariant 9.9).
 
     Returns ``(index_q (T, Hi, Di), index_k (capacity, Di), index_weights (T, Hi))``: queries from the normalised
     low-rank query ``qr`` with RoPE at the row position, keys from its own ratio-4 compressor at ``Di``, weights
     ``weights_proj(x) * Hi**-0.5 * Di**-0.5`` in fp32. The Hadamard rotation of Megatron's indexer is orthonormal
-    and leaves every score unchanged, so this bf16/fp32 path omits it (decision 6).
+    and leaves every score unchanged, so this bf16/fp32 path omits it (docs/semantics.md, decision 6).
     Parameters: ``q_b_proj``, ``weights_proj``, ``compressor.*``.
     """
 

@@ -6,9 +6,9 @@ softmax over the set); a repeated index counts once per occurrence. Sets combine
 raw window rows followed by compressed rows at an offset) and :class:`Stack` (consecutive query ranges).
 
 - :class:`Explicit`: a materialised (T, K) tensor (what ``sparse_attention(indices=...)`` takes, FlashMLA style).
-- :class:`Window`: raw rows ``max(doc start, t - window + 1) .. t`` (decision 3: both ends inclusive).
+- :class:`Window`: raw rows ``max(doc start, t - window + 1) .. t`` (docs/semantics.md, decision 3: both ends inclusive).
 - :class:`VisibleCompressed`: every compressed entry of the row's document with ``j < floor((t+1)/r)``
-  (decision 4), i.e. HCA and the dense CSA phase; width ``max_seqlen // r`` but built one chunk at a time.
+  (docs/semantics.md, decision 4), i.e. HCA and the dense CSA phase; width ``max_seqlen // r`` but built one chunk at a time.
 
 Every set has a host-int ``bound``: each valid row it yields is ``< bound`` (``None``: not known on the host, e.g.
 an :class:`Explicit` tensor of a caller). The ops use it to skip any range work for sets that provably fit their

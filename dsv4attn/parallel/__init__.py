@@ -1,4 +1,4 @@
-"""Context parallelism over a caller-provided torch.distributed process group (decision 10).
+"""Context parallelism over a caller-provided torch.distributed process group (docs/semantics.md, decision 10).
 
 ``x_local = shard(x, group, partition)``; ``y_local = layer(x_local, cu_seqlens=global_cu, max_seqlen=m,
 cp_group=group, cp_partition=partition)``; ``y = unshard(y_local, group, partition)``. Outputs and gradients equal

@@ -3,7 +3,7 @@
 The batch of T rows is cut into equal *chunks*; each rank holds some chunks, in increasing row order, back to
 back in its local tensor (its *segments*).
 
-- ``"contiguous"`` (decision 10): W chunks, rank i holds chunk i.
+- ``"contiguous"`` (docs/semantics.md, decision 10): W chunks, rank i holds chunk i.
 - ``"head_tail"``: 2W chunks, rank i holds chunk i and chunk 2W-1-i. Under causal attention the work of a row
   grows with its position in its document; pairing an early chunk with a late one evens the work of one long
   document over the ranks (``benchmarks/cp_work_balance.py`` counts it). Same results, same communication

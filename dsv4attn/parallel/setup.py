@@ -1,4 +1,4 @@
-"""Building the context-parallel frame of one layer call (decision 10).
+"""Building the context-parallel frame of one layer call (docs/semantics.md, decision 10).
 
 The packed batch of T rows is split into equal chunks over the W ranks (:mod:`.partition`: contiguous, rank i
 holds rows ``[i*S, (i+1)*S)``; or head-tail, two chunks per rank) and every rank passes the same *global*
@@ -19,7 +19,7 @@ from .frame import RowFrame, Segment
 
 def halo_rows(config, compress_ratio: int) -> int:
     """Rows of hidden states a context-parallel chunk needs from the chunk left of it: max(window, 8 for ratio 4
-    (its group and the previous one, overlapping), 128 for ratio 128) (decision 10)."""
+    (its group and the previous one, overlapping), 128 for ratio 128) (docs/semantics.md, decision 10)."""
     return max(config.sliding_window, {0: 0, 4: 8, 128: 128}[compress_ratio])
 
 

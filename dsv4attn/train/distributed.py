@@ -2,7 +2,7 @@
 
 Under ``torchrun`` the ``world`` processes form ``dp = world / cp`` data-parallel replicas of ``cp`` consecutive
 ranks each: global rank ``r`` is context-parallel rank ``r % cp`` of replica ``r // cp``. The ranks of one
-replica (one *CP group*) read the same packed batch, each computing its rows (decision 10): one contiguous slice,
+replica (one *CP group*) read the same packed batch, each computing its rows (docs/semantics.md, decision 10): one contiguous slice,
 or with the ``"head_tail"`` partition two chunks (:mod:`dsv4attn.parallel.partition`). The ranks holding the
 same rows across replicas form a *DP group*.
 

@@ -7,7 +7,7 @@ compressed entries and indexer outputs from ``HybridAttention.indexer_inputs``, 
 - **recall@k**: for every query row with more than k visible compressed entries (where selection matters), the
   share of the teacher's top-k that the indexer's top-k also holds. The teacher ranks entries by the main
   attention's head-summed probability over *all* visible entries with the full denominator (window + sink +
-  compressed; spec decision 7), ties to the lower index like the indexer (decision 6).
+  compressed; docs/semantics.md, decision 7), ties to the lower index like the indexer (docs/semantics.md, decision 6).
 - **indexer loss**: ``coeff * sum_t KL_t / real rows`` exactly as the layer defines it, with the dense teacher in
   the dense and warm-up phases and the sparse one (the indexer's own top-k) in the sparse phase. (In the dense
   phase the layer itself reports 0 because its indexer is idle; the probe still shows how far it is.)

@@ -1,4 +1,4 @@
-"""compress_pool vs a per-document loop oracle (spec decision 4, ALGORITHM.md section 3.4 steps 3-6, section 7).
+"""compress_pool vs a per-document loop oracle (docs/semantics.md, decision 4; docs/packing.md).
 
 Ratio 4 (width 2d, overlapping): entry j pools tokens 4j-4 .. 4j-1 through the first channel half and 4j .. 4j+3
 through the second; entry 0 pools only its own group. Ratio 128: entry j pools tokens 128j .. 128j+127. Per channel

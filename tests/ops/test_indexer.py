@@ -1,4 +1,4 @@
-"""indexer_topk vs a loop oracle (spec decision 6, ALGORITHM.md sections 4 and 7).
+"""indexer_topk vs a loop oracle (docs/semantics.md, decision 6; docs/packing.md).
 
 Per query row: candidates = the compressed entries j of its own document with j < floor((p+1)/4); score =
 sum_h w[t, h] ReLU(<q[t, h], k[j]>); keep the min(topk, visible) highest, best first, ties to the lower index,

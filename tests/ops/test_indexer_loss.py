@@ -1,5 +1,5 @@
 """indexer_kl (closed-form custom backward, chunked) vs indexer_kl_naive (plain autograd) vs a loop oracle of the
-formula in dsv4attn/ops/indexer_loss/reference.py (spec decision 7, ALGORITHM.md section 5).
+formula in dsv4attn/ops/indexer_loss/reference.py (docs/semantics.md, decision 7).
 
 teacher(j) = sum_h exp(s_h(j) - logaddexp(outside_lse_h, lse_{S_t} s_h)) / max(sum_{j,h} ..., FLT_MIN),
 student = softmax over S_t of the indexer scores, KL(teacher || student); an empty S_t gives 0.

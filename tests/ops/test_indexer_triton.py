@@ -4,7 +4,7 @@ As in test_sparse_attention_triton.py, the interpreter must be on before Triton 
 interpreted kernel run happens in one subprocess (``_worker``) that prints its measurements as JSON; the
 parametrised tests only judge them.
 
-What must hold (spec decision 6):
+What must hold (docs/semantics.md, decision 6):
 - fp32 inputs (and exactly representable ones in any dtype: integer q and k, power-of-two weights): the indices
   equal the reference's exactly, ties to the lower index included. The kernel sums heads in another order than
   the reference, so random fp32 scores agree to ~1e-7 relative, not bit for bit; at these sizes no two candidates

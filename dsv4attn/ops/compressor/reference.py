@@ -1,4 +1,4 @@
-"""Reference gated pooling of the compressor (spec decision 4, ALGORITHM.md section 3.4), per document.
+"""Reference gated pooling of the compressor (docs/semantics.md, decision 4), per document.
 
 Ratio 128 (``kv``/``gate`` of width d): entry j of a document pools its tokens 128j .. 128j+127.
 Ratio 4 (width 2d, overlapping): entry j pools 8 slots, tokens 4j-4 .. 4j-1 through the *first* channel half

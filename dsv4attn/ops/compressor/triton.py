@@ -1,4 +1,4 @@
-"""Triton kernels for the compressor's gated pooling (spec decision 4), forward and backward.
+"""Triton kernels for the compressor's gated pooling (docs/semantics.md, decision 4), forward and backward.
 
 Same contract as :func:`.reference.compress_pool_reference`. Entry e of the layout has ``S`` slots:
 

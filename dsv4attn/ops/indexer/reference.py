@@ -1,4 +1,4 @@
-"""Reference lightning-indexer scores and top-k (spec decision 6, ALGORITHM.md section 4).
+"""Reference lightning-indexer scores and top-k (docs/semantics.md, decision 6).
 
 ``score(t, j) = sum_h weights[t, h] * ReLU(<q[t, h], k[j]>)`` in fp32 (fp64 for fp64 inputs), where ``weights``
 already carries ``index_n_heads ** -0.5 * index_head_dim ** -0.5``. Candidates are the compressed entries of the

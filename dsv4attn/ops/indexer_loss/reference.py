@@ -1,4 +1,4 @@
-"""Reference indexer KL loss (spec decision 7, ALGORITHM.md section 5), per query row.
+"""Reference indexer KL loss (docs/semantics.md, decision 7), per query row.
 
 For row t with candidate set S_t (compressed entries: all visible ones for the dense teacher of the warm-up
 phase, the selected top-k for the sparse phase)::

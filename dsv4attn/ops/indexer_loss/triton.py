@@ -1,4 +1,4 @@
-"""Triton kernels for the indexer KL loss (spec decision 7, ALGORITHM.md section 5), forward and backward.
+"""Triton kernels for the indexer KL loss (docs/semantics.md, decision 7), forward and backward.
 
 Same contract as :func:`.reference.indexer_kl_reference`. For query row t, candidate slots j (``S_t``, -1 = empty),
 main heads h and index heads g::

@@ -1,12 +1,12 @@
 """Reference (readable PyTorch, any device, float64-capable) for the query norm + RoPE and the output inverse RoPE.
 
-These *are* the layer's former code paths, unchanged (spec ALGORITHM.md sections 3.2 steps 4-5 and 3.7 step 1):
+These *are* the layer's former code paths, unchanged (docs/semantics.md, "Query path" steps 4-5 and "Output" step 1):
 
 * ``qnorm_rope_reference``: per-head unweighted RMSNorm (statistics in fp32, one rounding to ``x.dtype``), then
   interleaved partial RoPE of the last ``2 * len(inv_freq)`` channels (rotation in fp32 with cos/sin rounded to
   fp32 from float64 angles, a second rounding to ``x.dtype``). Backward: autograd of the two steps.
 * ``rope_rotate_reference``: RoPE by ``+angle`` (the indexer's queries), out of place.
-* ``inverse_rope_reference``: RoPE by ``-angle``, out of place (invariant 9.1).
+* ``inverse_rope_reference``: RoPE by ``-angle``, out of place (docs/semantics.md, invariant 9.1).
 
 Same signatures as the Triton versions; the public functions in ``__init__`` check the arguments.
 """

@@ -15,7 +15,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet, attn_sink: torch.Tensor,
                      softmax_scale: float | None = None, *, topk_length: torch.Tensor | None = None,
                      deterministic: bool = False):
-    """One softmax per (row, head) over the keys ``indices[t]`` plus the sink logit (spec decision 5).
+    """One softmax per (row, head) over the keys ``indices[t]`` plus the sink logit (docs/semantics.md, decision 5).
 
     Args:
         q: (T, H, D) queries, fp16/bf16/fp32/fp64.

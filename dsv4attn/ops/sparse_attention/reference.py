@@ -1,4 +1,4 @@
-"""Reference sparse MQA attention with a per-head sink (spec decision 5, ALGORITHM.md sections 3.6 and 6.1).
+"""Reference sparse MQA attention with a per-head sink (docs/semantics.md, decision 5).
 
 For query row t and head h, over the key rows ``S_t = {indices[t, k] : indices[t, k] >= 0}`` of the single shared
 KV head (K == V)::

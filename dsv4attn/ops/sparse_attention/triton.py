@@ -1,11 +1,11 @@
-"""Triton kernels for sparse MQA attention with a per-head sink (spec decision 5), forward and backward.
+"""Triton kernels for sparse MQA attention with a per-head sink (docs/semantics.md, decision 5), forward and backward.
 
 Same contract as :func:`.reference.sparse_attention_reference`: for query row t and head h over the key rows
 ``S_t = {idx[t, k] >= 0}`` of the single shared KV head (K == V),
 ``z = scale * q.kv``, ``lse = logsumexp(z)`` (fp32, excludes the sink, -inf when S_t is empty),
 ``p = exp(z - logaddexp(lse, sink))``, ``out = p @ kv`` (0 when S_t is empty).
 
-Forward layout (see spec/PERFORMANCE.md): one program per (query row, head block, value-column slice). The heads
+Forward layout (see docs/kernels.md and docs/performance.md): one program per (query row, head block, value-column slice). The heads
 of a block are the M dimension of every ``tl.dot`` tile (MQA: all heads share the gathered rows), the row's K indices
 are walked in blocks of ``BLOCK_N`` gathered kv rows. Scores need the full D contraction, so they are accumulated
 over ``BLOCK_DK`` column chunks; the value / gradient columns are split over ``D // BLOCK_DV`` programs so the
