@@ -60,6 +60,11 @@ class PackedBatch:
     # The cu_seqlens values read on the host by the validation (None where no value could be read): context
     # parallelism digests them so that the ranks can agree on the batch without a second read.
     host_cu_seqlens: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
+    # Context parallelism (pack_batch(..., cp_group=...)): the group and partition the ranks agreed on when the
+    # pack was built; the layers then take both from here and run no agreement of their own.
+    cp_group: object = field(default=None, repr=False, compare=False)
+    cp_partition: str | None = None
+    _frames: dict = field(default_factory=dict, repr=False, compare=False)    # halo -> RowFrame, built lazily
     _layouts: dict = field(default_factory=dict, repr=False, compare=False)
     _compared: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -103,7 +108,7 @@ class PackedBatch:
 
 
 def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int | None = None,
-               device: torch.device | None = None) -> PackedBatch:
+               device: torch.device | None = None, *, cp_group=None, cp_partition: str | None = None) -> PackedBatch:
     """Build the :class:`PackedBatch` of a ``total_rows``-row batch, validating its metadata first.
 
     Args:
@@ -117,7 +122,20 @@ def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int
     The validation always runs (it is not a debug check): one host read of ``cu_seqlens``
     (:func:`dsv4attn.checks.check_batch`); a bad batch raises a ValueError naming the entry and the rule. Inside a
     ``torch.compile`` trace or a CUDA-graph capture no value can be read, so build the pack before and pass it on.
+
+    Context parallelism: with ``cp_group`` (a ProcessGroup or 1-D DeviceMesh) every rank of the group calls this
+    with the same *global* batch (``total_rows`` = T of all ranks) and ``cp_partition`` (``"contiguous"``, the
+    default, or ``"head_tail"``). The ranks agree on (T, cu_seqlens, max_seqlen, partition, local rows) here, once
+    per batch (one all-gather and one host read of its result; any difference raises the same ValueError on every
+    rank), and the pack keeps the group and partition: ``layer(x_local, pack=pack, phase=...)`` then needs no
+    other argument and runs no agreement of its own (docs/semantics.md, decision 10).
     """
+    if cp_group is not None:
+        from .parallel.setup import agreed_pack          # parallel builds on packing: imported on use
+        return agreed_pack(cu_seqlens, total_rows, max_seqlen, device, cp_group, cp_partition)
+    if cp_partition is not None:
+        raise ValueError(f"cp_partition={cp_partition!r} needs cp_group (it says how context-parallel ranks split "
+                         f"the rows); without cp_group leave it out")
     if isinstance(total_rows, bool) or not isinstance(total_rows, int) or total_rows < 0:
         raise ValueError(f"total_rows must be an int >= 0, got {total_rows!r}")
     if cu_seqlens is None:                  # [0, T], valid by construction: built on the device, nothing to read

@@ -122,6 +122,18 @@ def test_an_equal_cu_seqlens_tensor_is_compared_once_per_pack(cfg):
     assert sum(first.reads.values()) == 1 and not second.reads
 
 
+def test_a_model_forward_reads_only_to_build_its_pack():
+    """The model builds one pack per batch and its layers read nothing (under CP the pack's agreement adds one
+    read, still not one per layer: tests/parallel/test_context_parallel.py, _check_cp_packs)."""
+    from dsv4attn.train.model import DecoderLM, model_config
+    torch.manual_seed(0)
+    model = DecoderLM(model_config("tiny", ratios=(0, 4, 128, 4, 128)))
+    tokens = torch.randint(0, 256, (T,))
+    with HostReads() as counted:
+        model(tokens, torch.tensor(CU, dtype=torch.int32), 263, "sparse")
+    assert dict(counted.reads) == {"tolist": 1} and not counted.scans, (counted.reads, counted.scans)
+
+
 def test_values_mode_scans(cfg):
     """The counter does see the debug scans (so the zeros above mean something)."""
     layer = HybridAttention(cfg, 4).eval()

@@ -28,6 +28,13 @@ def test_layer_signature():
     assert layer.indexer_loss is None
 
 
+def test_pack_batch_signature():
+    params = inspect.signature(dsv4attn.pack_batch).parameters
+    assert list(params)[:4] == ["cu_seqlens", "total_rows", "max_seqlen", "device"]
+    for name in ("cp_group", "cp_partition"):           # README "Context parallelism": keywords, default None
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default is None
+
+
 def test_sparse_attention_signature():
     params = inspect.signature(dsv4attn.ops.sparse_attention).parameters
     assert list(params)[:5] == ["q", "kv", "indices", "attn_sink", "softmax_scale"]

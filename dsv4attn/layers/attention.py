@@ -9,9 +9,8 @@ from ..checkpoints import load_attention_state_dict
 from ..config import AttentionConfig, check_phase, check_ratio
 from ..ops import indexer_kl, indexer_topk, inverse_rope, qnorm_rope, sparse_attention
 from ..ops.index_sets import Concat, Explicit, Rows, VisibleCompressed, Window
-from ..packing import PackedBatch, pack_batch
-from ..parallel.frame import single_device_frame
-from ..parallel.setup import context_parallel_frame, halo_rows
+from ..packing import PackedBatch
+from ..parallel.setup import halo_rows, layer_frame
 from ..rope import apply_rope, layer_rope_frequencies
 from .common import AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm
 from .compressor import Compressor
@@ -97,21 +96,32 @@ class HybridAttention(KeepFp32Params):
             phase: ``"dense"`` | ``"warmup"`` | ``"sparse"`` (docs/semantics.md, decision 8; only ratio-4 layers behave differently).
             cp_group: a torch.distributed process group for context parallelism (docs/semantics.md, decision 10), or None.
             pack: a prebuilt :func:`dsv4attn.packing.pack_batch` of the global batch, shared by all layers (built
-                and validated once per batch; the layer then reads nothing). ``cu_seqlens`` / ``max_seqlen`` may
-                be passed too if they are the pack's: ``pack.cu_seqlens`` itself is free, another tensor with
+                and validated once per batch; the layer then reads nothing). A pack built with ``cp_group`` carries
+                the group, partition and frames: ``layer(x_local, pack=pack, phase=...)`` is the whole call, with no
+                per-layer agreement (passing another ``cp_group`` / ``cp_partition`` with it raises).
+                ``cu_seqlens`` / ``max_seqlen`` may be passed too if they are the pack's: ``pack.cu_seqlens`` itself is free, another tensor with
                 the same values costs one host read on first use (remembered by the pack), anything else raises.
             cp_partition: which rows each rank holds, ``"contiguous"`` (the default under CP) or ``"head_tail"``
                 (:mod:`dsv4attn.parallel.partition`); the same on every rank and in ``shard``/``unshard``. Only with
-                ``cp_group``.
+                ``cp_group`` (or, equal to its own, with a CP pack).
         Returns (T, hidden_size): this call's rows.
         """
         self.indexer_loss = None                     # a forward that raises leaves no stale value behind
         x = hidden_states
-        if cp_partition is not None and cp_group is None:
+        phase, failed = self._checked_arguments(x, cu_seqlens, max_seqlen, phase, cp_group, pack, cp_partition)
+        frame, x_keys = layer_frame(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, pack=pack, cp_group=cp_group,
+                                    cp_partition=cp_partition, halo=self.halo_rows, phase=phase,
+                                    compress_ratio=self.compress_ratio, failed=failed)
+        return self._forward_frame(x, x_keys, frame, phase)
+
+    def _checked_arguments(self, x, cu_seqlens, max_seqlen, phase, cp_group, pack, cp_partition):
+        """(phase, failed): the call's arguments checked on this rank. Under the per-call CP agreement an error is
+        returned as ``failed`` (raised after the ranks' agreement, so no other rank waits for this one); otherwise
+        it is raised here."""
+        if cp_partition is not None and cp_group is None and getattr(pack, "cp_group", None) is None:
             raise ValueError(f"cp_partition={cp_partition!r} needs cp_group (it says how context-parallel ranks "
                              f"split the rows); without cp_group the layer computes the whole batch, so leave "
                              f"cp_partition out")
-        failed = None
         try:
             phase = check_phase(phase)
             self._check_input(x, cu_seqlens)
@@ -122,18 +132,8 @@ class HybridAttention(KeepFp32Params):
         except (ValueError, TypeError) as err:
             if cp_group is None or not isinstance(x, torch.Tensor):
                 raise
-            failed = err        # under CP raised after the ranks' agreement, so no other rank waits for this one
-        if cp_group is None:
-            if pack is None:
-                pack = pack_batch(cu_seqlens, x.shape[0], max_seqlen, device=x.device)
-            elif pack.total_rows != x.shape[0]:
-                raise ValueError(f"pack was built for {pack.total_rows} rows, hidden_states has {x.shape[0]}")
-            frame, x_keys = single_device_frame(pack), x
-        else:
-            frame, x_keys = context_parallel_frame(x, cu_seqlens, max_seqlen, cp_group, self.halo_rows, pack,
-                                                   cp_partition or "contiguous", phase=phase,
-                                                   compress_ratio=self.compress_ratio, failed=failed)
-        return self._forward_frame(x, x_keys, frame, phase)
+            return phase, err
+        return phase, None
 
     @property
     def halo_rows(self) -> int:

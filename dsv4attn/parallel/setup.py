@@ -4,8 +4,14 @@ The packed batch of T rows is split into equal chunks over the W ranks (:mod:`.p
 holds rows ``[i*S, (i+1)*S)``; or head-tail, two chunks per rank) and every rank passes the same *global*
 ``cu_seqlens``. A layer needs, left of each of its chunks, the hidden states of ``halo`` rows (max(window, 8 for
 ratio 4, 128 for ratio 128)) to build its raw window keys and the compressed groups it owns; they come from the
-rank holding the previous chunk, and their gradient goes back there."""
+rank holding the previous chunk, and their gradient goes back there.
+
+Two ways in: a pack built with ``cp_group`` (:func:`agreed_pack`: the ranks agree once per batch, and the pack
+caches one frame per distinct halo, :func:`pack_frame`), or the per-call path (:func:`context_parallel_frame`: the
+layer builds or takes a group-less pack and the ranks agree on every call). :func:`layer_frame` picks one."""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -14,7 +20,7 @@ from .. import checks
 from ..packing import PackedBatch, pack_batch
 from . import agree, comm
 from . import partition as partition_
-from .frame import RowFrame, Segment
+from .frame import RowFrame, Segment, single_device_frame
 
 
 def halo_rows(config, compress_ratio: int) -> int:
@@ -45,12 +51,133 @@ def as_process_group(cp_group):
     return cp_group
 
 
+def agreed_pack(cu_seqlens, total_rows: int, max_seqlen, device, cp_group, cp_partition) -> PackedBatch:
+    """:func:`dsv4attn.pack_batch` with ``cp_group``: the pack of the global batch, after the ranks agreed on it.
+
+    The one agreement of the batch: (T, cu_seqlens, max_seqlen, partition, local rows). Phase, compress ratio
+    and halo are the layers' and are left out (UNKNOWN on every rank): with a CP pack a layer call communicates
+    nothing but its halo and compressed rows, so a rank-dependent phase or layer order is not caught here (the
+    model runs the same layers with one phase on every rank; ``cu_seqlens=`` calls keep the per-call check)."""
+    group = as_process_group(cp_group)
+    world, _ = comm.world_and_rank(group)
+    partition = "contiguous" if cp_partition is None else cp_partition
+    pack, rows, local_error = None, None, None
+    try:
+        # Rank-local checks: a rank failing one still joins the agreement, so no other rank waits for it.
+        partition_.check_partition(partition)
+        chunks = partition_.num_chunks(partition, world)
+        if isinstance(total_rows, int) and not isinstance(total_rows, bool) and total_rows % chunks:
+            raise ValueError(f"total_rows={total_rows} is not {chunks} equal chunks ({world} ranks, {partition!r} "
+                             f"partition); pad the global batch to a multiple of {chunks} rows")
+        pack = pack_batch(cu_seqlens, total_rows, max_seqlen, device)
+        rows = total_rows // world
+    except (ValueError, TypeError) as err:
+        local_error = err
+    where = (pack.device if pack is not None else torch.device(device) if device is not None
+             else cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu"))
+    _agree(group, pack, partition, rows, None, None, None, local_error, where)
+    # A fresh frame cache: frames hold this group's segments, never a single-device pack's.
+    return dataclasses.replace(pack, cp_group=group, cp_partition=partition, _frames={}, _layouts={},
+                               _compared={})
+
+
+def _agree(group, pack, partition, rows, phase, compress_ratio, halo, local_error, device) -> None:
+    """The ranks' agreement (:mod:`.agree`): raises this rank's own error, else the common mismatch error."""
+    if not checks.reads_possible():
+        if local_error is not None:
+            raise local_error
+        return
+    known = pack is not None
+    mine = agree.digest(total_rows=pack.total_rows if known else None,
+                        cu_values=pack.host_cu_seqlens if known else None,
+                        max_seqlen=pack.max_seqlen if known else None, partition=partition, phase=phase,
+                        compress_ratio=compress_ratio, rows=rows, halo=halo, failed=local_error is not None)
+    message = agree.mismatch_message(agree.agree(group, mine, device))
+    if local_error is not None:
+        raise local_error                       # this rank's own, more precise error
+    if message is not None:
+        raise ValueError(message)
+
+
+def layer_frame(x: torch.Tensor, *, cu_seqlens, max_seqlen, pack: PackedBatch | None, cp_group, cp_partition,
+                halo: int, phase: str, compress_ratio: int,
+                failed: Exception | None = None) -> tuple[RowFrame, torch.Tensor]:
+    """(frame, x_keys) of one layer call, whichever way the batch came: a CP pack (its cached frame, no
+    agreement), a single-device call (the pack's frame), or ``cp_group`` with ``cu_seqlens`` or a pack built
+    without a group (the per-call agreement of :func:`context_parallel_frame`, as before CP packs)."""
+    if getattr(pack, "cp_group", None) is not None:       # a non-pack fails its own check (in `failed`)
+        if failed is not None:
+            raise failed
+        _check_same_group(pack, cp_group, cp_partition)
+        world, _ = comm.world_and_rank(pack.cp_group)
+        if x.shape[0] * world != pack.total_rows:
+            raise ValueError(f"hidden_states has {x.shape[0]} rows, but the pack's global batch of "
+                             f"{pack.total_rows} rows gives each of the {world} ranks {pack.total_rows // world}; "
+                             f"pass this rank's rows from dsv4attn.parallel.shard")
+        frame = pack_frame(pack, halo)
+        return frame, _keys_with_halos(x, frame, halo)
+    if cp_group is None:
+        if failed is not None:
+            raise failed
+        if pack is None:
+            pack = pack_batch(cu_seqlens, x.shape[0], max_seqlen, device=x.device)
+        elif pack.total_rows != x.shape[0]:
+            raise ValueError(f"pack was built for {pack.total_rows} rows, hidden_states has {x.shape[0]}")
+        return pack_frame(pack, 0), x
+    return context_parallel_frame(x, cu_seqlens, max_seqlen, cp_group, halo, pack, cp_partition or "contiguous",
+                                  phase=phase, compress_ratio=compress_ratio, failed=failed)
+
+
+def _check_same_group(pack: PackedBatch, cp_group, cp_partition) -> None:
+    """A CP pack says which group and partition it was agreed for; a layer argument naming others is a mistake
+    (the frame and the agreement would belong to another group), not something to pick one of silently."""
+    if cp_group is not None and as_process_group(cp_group) is not pack.cp_group:
+        raise ValueError("cp_group differs from the group the pack was built with (pack_batch(..., cp_group=...)); "
+                         "pass only pack= (the layer uses its group), or build the pack with this group")
+    if cp_partition is not None and cp_partition != pack.cp_partition:
+        raise ValueError(f"cp_partition={cp_partition!r} differs from the pack's {pack.cp_partition!r} (pack_batch("
+                         f"..., cp_partition=...)); pass only pack=, or build the pack with this partition")
+
+
+def pack_frame(pack: PackedBatch, halo: int) -> RowFrame:
+    """The pack's frame for layers of this ``halo``, built on first use and kept in the pack: the segments (and
+    the per-ratio ownership tables the frame caches) depend only on the pack and the halo, so every layer of a
+    batch with the same halo shares them. A single-device pack has one frame (no halo)."""
+    key = halo if pack.cp_group is not None else 0
+    if key not in pack._frames:
+        if pack.cp_group is None:
+            pack._frames[key] = single_device_frame(pack)
+        else:
+            world, rank = comm.world_and_rank(pack.cp_group)
+            per_rank = partition_.num_chunks(pack.cp_partition, world) // world
+            # Host-only and from agreed values: every rank raises it alike, before any collective.
+            check_rows_per_rank(pack.total_rows // world // per_rank, halo, world, pack.cp_partition)
+            pack._frames[key] = _row_frame(pack, pack.cp_group, pack.cp_partition, halo, world, rank)
+    return pack._frames[key]
+
+
+def _row_frame(pack, group, partition, halo, world, rank) -> RowFrame:
+    width = halo if world > 1 else 0
+    segments, offset = [], 0
+    for start, end in partition_.segments(partition, world, rank, pack.total_rows):
+        key_start = start - (width if start > 0 else 0)
+        segments.append(Segment(start, end, key_start, offset))
+        offset += end - key_start
+    return RowFrame(pack=pack, segments=tuple(segments), group=group, partition=partition)
+
+
+def _keys_with_halos(x_local, frame: RowFrame, halo: int) -> torch.Tensor:
+    width = halo if frame.world > 1 else 0
+    return comm.with_left_halos(x_local, width, frame.group, frame.partition) if width else x_local
+
+
 def context_parallel_frame(x_local: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int | None, group,
                            halo: int, pack: PackedBatch | None = None, partition: str = "contiguous", *,
                            phase: str | None = None, compress_ratio: int | None = None,
                            failed: Exception | None = None) -> tuple[RowFrame, torch.Tensor]:
     """(frame, x_keys): x_keys = ``[halo_0 ; segment_0 ; ...]`` hidden states, the rows whose raw KV this rank
-    computes (see :mod:`.partition` for which rows a rank holds).
+    computes (see :mod:`.partition` for which rows a rank holds). This is the per-call path (``cu_seqlens=``, or a
+    pack built without ``cp_group``); a CP pack uses :func:`pack_frame` instead.
 
     The first collective is the ranks' agreement on the call's metadata (:mod:`.agree`; ``phase`` and
     ``compress_ratio`` say which call this is): any difference, or a rank whose own checks below failed, raises a
@@ -80,25 +207,6 @@ def context_parallel_frame(x_local: torch.Tensor, cu_seqlens: torch.Tensor | Non
             frame_pack = pack
     except (ValueError, TypeError) as err:
         local_error = err
-    if checks.reads_possible():
-        known = frame_pack is not None
-        mine = agree.digest(total_rows=frame_pack.total_rows if known else None,
-                            cu_values=frame_pack.host_cu_seqlens if known else None,
-                            max_seqlen=frame_pack.max_seqlen if known else None, partition=partition, phase=phase,
-                            compress_ratio=compress_ratio, rows=rows, halo=halo, failed=local_error is not None)
-        message = agree.mismatch_message(agree.agree(group, mine, x_local.device))
-        if local_error is not None:
-            raise local_error                       # this rank's own, more precise error
-        if message is not None:
-            raise ValueError(message)
-    elif local_error is not None:
-        raise local_error
-    pack = frame_pack
-    width = halo if world > 1 else 0
-    x_keys = comm.with_left_halos(x_local, width, group, partition) if width else x_local
-    segments, offset = [], 0
-    for start, end in partition_.segments(partition, world, rank, total):
-        key_start = start - (width if start > 0 else 0)
-        segments.append(Segment(start, end, key_start, offset))
-        offset += end - key_start
-    return RowFrame(pack=pack, segments=tuple(segments), group=group, partition=partition), x_keys
+    _agree(group, frame_pack, partition, rows, phase, compress_ratio, halo, local_error, x_local.device)
+    frame = _row_frame(frame_pack, group, partition, halo, world, rank)
+    return frame, _keys_with_halos(x_local, frame, halo)

@@ -95,20 +95,19 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = SwiGLU(a.hidden_size, config.mlp_hidden)
 
-    def forward(self, x, pack, phase: str, captured: list | None = None, cp_group=None,
-                cp_partition: str = "contiguous") -> torch.Tensor:
+    def forward(self, x, pack, phase: str, captured: list | None = None) -> torch.Tensor:
         h = self.attn_norm(x)
         if captured is not None:
             captured.append((self.attn, h))
-        x = x + self.attn(h, phase=phase, pack=pack, cp_group=cp_group,
-                          cp_partition=None if cp_group is None else cp_partition)
+        x = x + self.attn(h, pack=pack, phase=phase)          # a CP pack carries its group and partition
         return x + self.mlp(self.mlp_norm(x))
 
 
 class DecoderLM(nn.Module):
     """``model(tokens (T,), cu_seqlens (N+1,) int32, max_seqlen, phase) -> logits (T, vocab)``.
 
-    The packed metadata is built once per forward and shared by every layer. With ``captured`` (a list), each
+    The packed metadata (under CP with the group's agreement and frames) is built once per forward and shared
+    by every layer. With ``captured`` (a list), each
     block appends ``(attention_layer, attention_input)`` for evaluation probes.
 
     Context parallelism (``cp_group``, ``cp_partition``; docs/semantics.md, decision 10): every rank of the group passes the same
@@ -140,10 +139,13 @@ class DecoderLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, phase: str,
                 captured: list | None = None, cp_group=None, cp_partition: str = "contiguous") -> torch.Tensor:
-        pack = pack_batch(cu_seqlens, tokens.shape[0], max_seqlen)          # of the global batch, also under CP
+        # Of the global batch, also under CP: built once per batch, so the ranks' agreement on it runs once, not
+        # once per layer (with NCCL each agreement is a device->host sync).
+        pack = pack_batch(cu_seqlens, tokens.shape[0], max_seqlen, cp_group=cp_group,
+                          cp_partition=None if cp_group is None else cp_partition)
         x = self.embed(local_rows(tokens, cp_group, cp_partition))
         for block in self.blocks:
-            x = block(x, pack, phase, captured, cp_group, cp_partition)
+            x = block(x, pack, phase, captured)
         return self.head(self.norm(x))
 
     def attention_layers(self) -> list[HybridAttention]:

@@ -170,6 +170,53 @@ def _check_disagreements(group, world, rank):
     return messages
 
 
+def _check_cp_packs(group, world, rank):
+    """A pack built with cp_group: ``layer(x, pack=pack, phase=...)`` equals the per-call CP run (cu_seqlens=),
+    layers of one halo share one frame, another group or partition with the pack raises, a pack the ranks disagree
+    on raises on every rank, and a model forward reads the host only to build its pack (not once per layer)."""
+    cu, max_len = _pack()
+    for partition, cases in (("contiguous", [(0, "sparse"), (4, "warmup"), (4, "sparse"), (128, "sparse")]),
+                             ("head_tail", [(4, "sparse")] + ([(128, "sparse")] if world == 2 else []))):
+        pack = dsv4attn.pack_batch(cu, TOTAL_ROWS, max_len, cp_group=group, cp_partition=partition)
+        for ratio, phase in cases:
+            layer = _layer(ratio, torch.float64)
+            torch.manual_seed(200 + ratio)
+            x, g = torch.randn(TOTAL_ROWS, 128, dtype=torch.float64), torch.randn(TOTAL_ROWS, 128, dtype=torch.float64)
+            x, g = shard(x, group, partition), shard(g, group, partition)
+            want = _run(layer, x, g, phase, cu_seqlens=cu, max_seqlen=max_len, cp_group=group,
+                        cp_partition=partition)
+            got = _run(layer, x, g, phase, pack=pack)
+            where = f"CP pack ratio {ratio} {phase} {partition} rank {rank}/{world}"
+            torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, msg=lambda m: f"{where} output: {m}")
+            torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, msg=lambda m: f"{where} input grad: {m}")
+            for name in want[2]:
+                torch.testing.assert_close(got[2][name], want[2][name], rtol=0, atol=0, msg=lambda m: f"{where} {name}")
+        # One frame per distinct halo (tiny(): window 16, so ratios 0 and 4 share 16 rows, ratio 128 needs 128).
+        halos = {_layer(r, torch.float64).halo_rows for r, _ in cases}
+        assert set(pack._frames) == halos, (set(pack._frames), halos)
+        frame = pack._frames[16]
+        _layer(0, torch.float64)(x, pack=pack, cp_group=group)            # the pack's own group is fine
+        assert pack._frames[16] is frame and set(pack._frames) == halos
+    other = dist.new_group(list(range(world)))
+    with pytest.raises(ValueError, match="cp_group differs from the group the pack was built with"):
+        _layer(0, torch.float64)(x, pack=pack, cp_group=other)
+    with pytest.raises(ValueError, match="cp_partition='contiguous' differs from the pack's 'head_tail'"):
+        _layer(0, torch.float64)(x, pack=pack, cp_partition="contiguous")
+    other_cu = cu.clone()
+    other_cu[1:4] += 1 if rank == 1 else 0
+    with pytest.raises(ValueError, match=r"ranks disagree on cu_seqlens \(rank 0: \[0, 1, 4"):
+        dsv4attn.pack_batch(other_cu, TOTAL_ROWS, max_len, cp_group=group)
+    from tests.test_host_reads import HostReads
+    from dsv4attn.train.model import DecoderLM, model_config
+    torch.manual_seed(0)
+    model = DecoderLM(model_config("tiny", ratios=(0, 4, 128, 4, 128))).double()
+    tokens = torch.randint(0, 256, (TOTAL_ROWS,))
+    with dsv4attn.checks.checks("default"), HostReads() as counted:
+        model(tokens, cu, max_len, "sparse", cp_group=group)
+    # Building the pack: the validation's read of cu_seqlens and the agreement's read; the 5 layers add none.
+    assert dict(counted.reads) == {"tolist": 2} and not counted.scans, (rank, counted.reads, counted.scans)
+
+
 def _worker(rank, world, init_file, result_dir):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -188,6 +235,7 @@ def _worker(rank, world, init_file, result_dir):
         # Head-tail: 2W chunks of 140 (W=2) / 70 (W=4) rows; a 70-row chunk is too narrow for ratio 128's halo.
         balanced = [case for case in cases if world == 2 or case[0] != 128]
         _check_parity(group, world, rank, torch.float64, balanced, dict(rtol=1e-9, atol=1e-11), "head_tail")
+        _check_cp_packs(group, world, rank)
         message = _check_too_few_rows(group, world)
         assert "two chunks of 32 rows" in _check_too_few_rows(group, world, "head_tail")
         with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
