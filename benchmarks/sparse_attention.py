@@ -8,9 +8,9 @@ masked slots, backward = 2.5x forward. Run (CUDA, Triton):
     python benchmarks/sparse_attention.py --T 8192 32768 65536 --H 64 128 [--check-T 8192] [--sweep]
         [--flashmla .peers/flashmla] [--log out.txt]
 
-``--cudnn .peers`` times cuDNN Frontend's SM90 DSA backward (``bash ../shared/peers/get_cudnn_dsa.sh``; two calls)
+``--cudnn .peers`` times cuDNN Frontend's SM90 DSA backward (its wheels under ``.peers/cudnn_b``; docs/performance.md)
 beside ours the same way, fed FlashMLA's out and lse when ``--flashmla`` is given. ``--flashmla`` times FlashMLA's
-sparse prefill forward (``bash ../shared/peers/get_flashmla.sh``) on the same
+sparse prefill forward (its build under ``.peers/flashmla``; docs/performance.md) on the same
 inputs in the same run, alternating with our forward over 7 rounds (medians; the per-round ratios are printed);
 the project never depends on it. "peak MiB" is what a call allocates beyond its inputs;
 "mem/io" (forward+backward) is that plus q and kv over the bytes of q, kv, out, lse, dq, dkv (target <= 1.3).

@@ -345,6 +345,16 @@ def test_select_kernel_matches_stable_sort(interpreted, case_id):
 
 # ----------------------------------------------------------------------------------------------- CUDA, Flash sizes
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _sm90_gluon() -> bool:
+    """An SM90 GPU with a Triton whose Gluon imports: where the Gluon score kernel can run at all (q and k of the
+    Flash geometry, bf16, freshly allocated and so 16-byte aligned)."""
+    from dsv4attn.ops.gluon_common import IMPORTED
+    return (IMPORTED and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9)
+
+
+needs_sm90_gluon = pytest.mark.skipif(not _sm90_gluon(), reason="needs an SM90 GPU and Triton's Gluon")
 FLASH_LENGTHS = (3001, 1, 0, 2047, 5, 1536, 1000)       # 7590 real rows, then capacity padding to 8192
 FLASH_T, FLASH_HI, FLASH_DI, FLASH_TOPK = 8192, 64, 128, 512
 # fp32 accumulation over 64 heads x 128 dims in another order: a few 1e-6 of the row maximum, with margin.
@@ -482,7 +492,7 @@ def test_score_kernel_choice(monkeypatch):
         ix_triton._tile_list(dict(ix_triton.CONFIG, KERNEL="fast"))
 
 
-@needs_cuda
+@needs_sm90_gluon
 @pytest.mark.parametrize("values", ["int", "randn"])
 @pytest.mark.parametrize("producer, dtype", [("tma", torch.bfloat16), ("cp.async", torch.bfloat16),
                                              ("tma", torch.float16)])
@@ -495,8 +505,7 @@ def test_cuda_gluon_score_orders_match_triton(values, producer, dtype, monkeypat
     from dsv4attn.ops.indexer import triton as ix_triton
     seed = int.from_bytes(os.urandom(2), "little")
     q, k, w, candidates, _ = _flash_inputs(dtype, values=values, seed=seed)
-    if not gluon_scores.available(q, k):
-        pytest.skip("needs an SM90 GPU and Triton's Gluon")
+    assert gluon_scores.available(q, k), gluon_scores.check(q, k)[1]
     monkeypatch.setitem(gluon_scores.CONFIG, "TMA", producer == "tma")
     calls = []
     real = gluon_scores.launch_orders
@@ -528,15 +537,14 @@ def test_cuda_gluon_score_orders_match_triton(values, producer, dtype, monkeypat
     assert ((a - b).abs() <= FLASH_SCORE_RTOL * scale).all(), f"scores differ beyond {FLASH_SCORE_RTOL} (seed {seed})"
 
 
-@needs_cuda
+@needs_sm90_gluon
 def test_cuda_misaligned_q_takes_the_triton_score_kernel():
     """A q whose base is not 16-byte aligned (TMA and 16-byte cp.async cannot read it): "auto" runs the Triton score
     kernel, with the orders of an aligned copy; "gluon" refuses it with the availability error."""
     from dsv4attn.ops.indexer import gluon_hopper as gluon_scores
     from dsv4attn.ops.indexer import triton as ix_triton
     q, k, w, candidates, _ = _flash_inputs(torch.bfloat16, values="int", seed=5)
-    if not gluon_scores.available(q, k):
-        pytest.skip("needs an SM90 GPU and Triton's Gluon")
+    assert gluon_scores.available(q, k), gluon_scores.check(q, k)[1]
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape).copy_(q)
     assert shifted.data_ptr() % 16 != 0 and not gluon_scores.available(shifted, k)
     first, visible, _, _ = ix_triton.contiguous_ranges(candidates)
