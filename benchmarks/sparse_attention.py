@@ -65,13 +65,12 @@ def check(T: int, log) -> None:
     kern = run_grads(sparse_attention_triton, q, kv, idx, sink, grad_out)
     low = run_grads(sparse_attention_reference, q, kv, idx, sink, grad_out)
     exact = run_grads(sparse_attention_reference, q.double(), kv.double(), idx, sink.double(), grad_out.double())
-    from dsv4attn.ops.sparse_attention import triton as sat
-    if sat.backward_kernel(q) == "gluon":      # it forms Delta from the bf16 output: so does the reference it meets
-        from dsv4attn.ops.index_sets import Explicit
-        from dsv4attn.ops.sparse_attention.reference import reference_backward, reference_forward
-        o_low, l_low = reference_forward(q, kv, Explicit(idx), sink, D ** -0.5)
-        low[2:] = [x.double() for x in reference_backward(grad_out, q, kv, Explicit(idx), sink, l_low, D ** -0.5,
-                                                          out=o_low)]
+    # The kernels form Delta from the bf16 output: so does the reference they are measured against.
+    from dsv4attn.ops.index_sets import Explicit
+    from dsv4attn.ops.sparse_attention.reference import reference_backward, reference_forward
+    o_low, l_low = reference_forward(q, kv, Explicit(idx), sink, D ** -0.5)
+    low[2:] = [x.double() for x in reference_backward(grad_out, q, kv, Explicit(idx), sink, l_low, D ** -0.5,
+                                                      out=o_low)]
     log(f"correctness at T={T} H={H} D={D} K={idx.shape[1]} bf16 (max abs error vs float64; kernel / reference-bf16;"
         f" bound 2x outputs, 3x grads)")
     for name, k, r, e in zip(("out", "lse", "dq", "dkv", "d_sink"), kern, low, exact):
@@ -197,38 +196,30 @@ SWEEP_FWD = {   # per head count; BLOCK_DK == BLOCK_DV == 512: one kv tile per s
 }
 def _bwd(layout, n, w, s, **extra):
     from dsv4attn.ops.sparse_attention import triton as sat_layouts
-    layouts = dict(fused=sat_layouts.FUSED, fused2=sat_layouts.FUSED2, split=sat_layouts.SPLIT, split3=sat_layouts.SPLIT3)
+    layouts = dict(fused=sat_layouts.FUSED, split=sat_layouts.SPLIT)
     return dict(dict(LAYOUT=layouts[layout], BLOCK_N=n, num_warps=w, num_stages=s, RELAXED=True), **extra)
 
 
 # Triton backward configurations (triton.BWD_CONFIGS keys; ``_deterministic`` = time deterministic=True instead).
-# Per kv tile FUSED and FUSED2 do 7 GEMM-tiles, SPLIT and SPLIT3 9 (triton.BwdLayout); every layout adds the same
-# T * K * D fp32 atomics. A config forces the Triton passes (the one-pass Gluon backward is timed by bench()).
+# Per kv tile FUSED does 5 GEMM-tiles in one launch, SPLIT 7 over a dq and a dKV launch (triton.BwdLayout); both add
+# the same T * K * D fp32 atomics after the same Delta pre-pass. A config forces the Triton kernel (the one-pass
+# Gluon backward is timed by bench()).
 SWEEP_BWD = [
-    _bwd("split3", 64, 8, 1, DELTA=dict(num_warps=4), DKV=dict(BLOCK_N=32, num_warps=4)),   # the Triton default
-    _bwd("fused", 32, 8, 2, DELTA=dict(BLOCK_N=64, num_warps=4, num_stages=1)),
-    _bwd("split", 64, 8, 1, DKV=dict(BLOCK_N=32, num_warps=4)),    # "split" at its best (per-pass sweep)
+    _bwd("split", 64, 8, 1, DKV=dict(BLOCK_N=32, num_warps=4, DKV_BLOCK_D=256)),    # the Triton default at D = 512
     _bwd("split", 32, 8, 2),
     _bwd("split", 32, 8, 2, RELAXED=False),                         # what relaxed atomics buy
     _bwd("split", 64, 8, 1),
     _bwd("split", 64, 8, 1, DKV=dict(BLOCK_N=32, num_stages=2)),
     _bwd("split", 32, 8, 2, DKV=dict(BLOCK_N=16)),
-    _bwd("split", 32, 8, 2, DKV=dict(num_warps=4)),
     _bwd("split", 32, 8, 2, DKV=dict(DKV_BLOCK_D=128)),             # dKV tile in 4 column chunks (q, dO re-read)
     _bwd("split", 64, 8, 1, DKV=dict(DKV_BLOCK_D=256)),
-    _bwd("split3", 64, 8, 1, DKV=dict(BLOCK_N=32, num_stages=2)),
     _bwd("fused", 32, 8, 2),
     _bwd("fused", 16, 8, 2),
-    _bwd("fused", 32, 8, 1, DELTA=dict(BLOCK_N=64)),
-    _bwd("fused2", 32, 8, 2),
-    _bwd("fused2", 16, 8, 2),
-    _bwd("fused2", 32, 16, 2),
-    _bwd("fused2", 16, 4, 2),
-    _bwd("fused2", 32, 8, 2, DKV_BLOCK_D=128),
+    _bwd("fused", 32, 16, 2),
+    _bwd("fused", 16, 4, 2),
     _bwd("fused", 32, 8, 2, DKV_BLOCK_D=128),
-    dict(_bwd("split3", 64, 8, 1, DELTA=dict(num_warps=4), DKV=dict(BLOCK_N=32, num_warps=4)), _deterministic=True),
-    dict(_bwd("split", 32, 8, 2), _deterministic=True),
-    dict(_bwd("fused2", 32, 8, 2), _deterministic=True),
+    dict(_bwd("split", 64, 8, 1, DKV=dict(BLOCK_N=32, num_warps=4, DKV_BLOCK_D=256)), _deterministic=True),
+    dict(_bwd("fused", 32, 8, 2), _deterministic=True),
 ]
 
 

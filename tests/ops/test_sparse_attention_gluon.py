@@ -273,8 +273,7 @@ def _stub_bwd(monkeypatch, gluon_error=None):
             raise gluon_error
 
     def triton_launch(kernel, grid_of, q, c, args):
-        launched.append(("DELTA" if c.get("DELTA_PASS") else "") + ("DQ" if c.get("DO_DQ") else "")
-                        + ("DKV" if c.get("DO_DKV") else "") + ("-det" if c.get("DETERMINISTIC") else ""))
+        launched.append(("DQ" if c.get("DO_DQ") else "") + ("DKV" if c.get("DO_DKV") else "") + ("-det" if c.get("DETERMINISTIC") else ""))
 
     monkeypatch.setattr(variants, "FAILED", {})
     monkeypatch.setattr(variants, "_mode", "auto")
@@ -291,34 +290,34 @@ def _stub_bwd(monkeypatch, gluon_error=None):
 
 def test_default_backward_takes_the_one_pass_gluon_kernel_where_it_applies(monkeypatch):
     """SM90 default: the one-pass Gluon backward alone; the deterministic mode, DSV4ATTN_KERNELS=triton, an
-    explicit Triton config and machines without the kernel run the Triton passes."""
+    explicit Triton config and machines without the kernel run the Triton kernel."""
     launched, args = _stub_bwd(monkeypatch)
     sat._sparse_attn_bwd(*args)
     assert launched == ["gluon"]
     launched.clear()
     sat._sparse_attn_bwd(*args, deterministic=True)
-    assert launched == ["DELTA", "DQ", "DKV-det"]
+    assert launched == ["DQ", "DKV-det"]
     launched.clear()
     sat._sparse_attn_bwd(*args, sat.BWD_CONFIGS[512])
-    assert launched == ["DELTA", "DQ", "DKV"]
+    assert launched == ["DQ", "DKV"]
     launched.clear()
     monkeypatch.setattr(variants, "_mode", "triton")
     sat._sparse_attn_bwd(*args)
     monkeypatch.setattr(variants, "_mode", "auto")
     monkeypatch.setattr(gluon_hopper_bwd, "check", lambda q: (False, "stubbed"))
     sat._sparse_attn_bwd(*args)
-    assert launched == ["DELTA", "DQ", "DKV"] * 2
+    assert launched == ["DQ", "DKV"] * 2
 
 
-def test_gluon_backward_build_failure_falls_back_to_the_triton_passes_once(monkeypatch):
+def test_gluon_backward_build_failure_falls_back_to_the_triton_kernel_once(monkeypatch):
     launched, args = _stub_bwd(monkeypatch, PTXASError("this Triton cannot build the Gluon kernel"))
     with pytest.warns(RuntimeWarning, match=r"Gluon sparse-attention backward kernel \(_sparse_attn_bwd_gluon\) could not be built for D=512"):
         sat._sparse_attn_bwd(*args)
-    assert launched == ["gluon (failed)", "DELTA", "DQ", "DKV"] and ("sparse_attention", "backward", (512, torch.bfloat16)) in variants.FAILED
+    assert launched == ["gluon (failed)", "DQ", "DKV"] and ("sparse_attention", "backward", (512, torch.bfloat16)) in variants.FAILED
     with warnings.catch_warnings():
         warnings.simplefilter("error")                                    # not tried again, no second warning
         sat._sparse_attn_bwd(*args)
-    assert launched == ["gluon (failed)", "DELTA", "DQ", "DKV", "DELTA", "DQ", "DKV"]
+    assert launched == ["gluon (failed)", "DQ", "DKV", "DQ", "DKV"]
     assert sat.backward_kernel(args[0]) == "triton"
 
 

@@ -15,20 +15,16 @@ On SM90 GPUs the forward runs the warp-specialised Gluon kernel of :mod:`.gluon_
 row gathers by a producer warpgroup; the Triton pipeliner leaves these gathers synchronous); :mod:`dsv4attn.variants`
 (or a config's ``KERNEL`` key) chooses.
 
-Backward on SM90 GPUs (bf16/fp16, H % 64 == 0, D = 512, not deterministic): the one-pass Gluon kernel of
-:mod:`.gluon_hopper_bwd`, after an elementwise pre-pass (:func:`_delta_from_out`) that forms Delta = rowsum(dO * out)
-in fp32 from the saved low-precision output, as FlashAttention and cuDNN do; d_sink follows from Delta in PyTorch.
-
-Backward elsewhere (the Triton kernels): d_sink is a (T, H) reduction in PyTorch from Delta = dO.out =
-sum_k p_k dO.v_k, which these kernels compute from fp32 probabilities. Every kernel recomputes p from the saved lse,
-forms ``dz = p * (dO.v - Delta)`` and produces ``dq = scale * dz kv`` and the dKV rows ``scale * dz^T q + p^T dO``
-(fp32, atomically added: the atomic traffic is the same in every layout, T * K * D fp32 adds per head block).
-``LAYOUT`` in the config (a :class:`BwdLayout`) picks the launches of :func:`_sparse_attn_bwd_rows_kernel`: one
-program per (row, head block) over all D columns, q and dO loaded once, each gathered kv tile loaded once per loop
-and used for s, dp, dq and dKV; Delta needs a full loop of its own before dz exists, so a row costs 7 GEMM-tiles
-per kv tile (``FUSED``: Delta launch, then dq + dKV; ``FUSED2``: both loops in one program) or 9 (``SPLIT``: Delta
-+ dq, then a dKV-only launch, so no program holds the 64 x 512 fp32 dq accumulator and a dKV tile at once;
-``SPLIT3``: three launches, the D = 512 default).
+Backward: first an elementwise pre-pass (:func:`_delta_from_out`) forms Delta = rowsum(dO * out) in fp32 from the
+saved output (in its own dtype), as FlashAttention and cuDNN do; d_sink follows from Delta in PyTorch. Then, on SM90
+GPUs (bf16/fp16, H % 64 == 0, D = 512, not deterministic), the one-pass Gluon kernel of :mod:`.gluon_hopper_bwd`;
+elsewhere the Triton kernel :func:`_sparse_attn_bwd_rows_kernel`, one program per (row, head block) over all D
+columns: q and dO loaded once, each gathered kv tile loaded once and used as keys and values; p recomputed from the
+saved lse, ``dz = p * (dO.v - Delta)``, ``dq = scale * dz kv`` and the dKV rows ``scale * dz^T q + p^T dO`` (fp32,
+atomically added: T * K * D fp32 adds per head block in every layout). ``LAYOUT`` in the config (a
+:class:`BwdLayout`) picks its launches: ``FUSED``, one pass with dq and dKV together (5 GEMM-tiles per kv tile:
+s, dp, dq, and the two dKV terms), or ``SPLIT``, a dq launch then a dKV launch (7: s and dp formed twice), for
+D = 512 where no program can hold the 64 x 512 fp32 dq accumulator beside a dKV tile.
 
 Deterministic backward (``deterministic=True``): the launches that produce dKV store each (row, slot)
 contribution to a fp32 buffer instead (no atomics), over chunks of query rows that bound the buffer to
@@ -66,36 +62,33 @@ FWD_CONFIGS = {
     # split-score layout (BLOCK_N 32, BLOCK_DK 128) 15.5 ms; BLOCK_N 32 shared 14.5 ms; 16 rows 23.9 ms.
     512: dict(BLOCK_N=64, BLOCK_DK=512, BLOCK_DV=512, num_warps=8, num_stages=2),
 }
-PARTS = ("DELTA", "DQ", "DKV")
+PARTS = ("DQ", "DKV")
 
 
 @dataclass(frozen=True)
 class BwdLayout:
     """The launches of the Triton backward, in order; each is the set of :data:`PARTS` its program computes
-    (:func:`_sparse_attn_bwd_rows_kernel`). GEMMs of BLOCK_H x BLOCK_N x D per kv tile: Delta needs 2 (s, dp), dq 3
-    (s, dp, dz kv), dKV 4 (s, dp, dz^T q, p^T dO), dq + dKV together 5."""
+    (:func:`_sparse_attn_bwd_rows_kernel`). GEMMs of BLOCK_H x BLOCK_N x D per kv tile: dq alone 3 (s, dp, dz kv),
+    dKV alone 4 (s, dp, dz^T q, p^T dO), dq + dKV together 5."""
     passes: tuple[frozenset[str], ...]
 
     def names(self) -> tuple[str, ...]:
-        """Each launch as "DELTA+DQ" etc.: the config key of its overrides."""
+        """Each launch as "DQ+DKV" etc.: the config key of its overrides."""
         return tuple("+".join(p for p in PARTS if p in parts) for parts in self.passes)
 
 
-FUSED = BwdLayout((frozenset({"DELTA"}), frozenset({"DQ", "DKV"})))  # 7 GEMMs, 2 launches; dq, dKV share registers
-FUSED2 = BwdLayout((frozenset(PARTS),))           # 7 GEMMs, 1 launch: two loops per program (Delta, then the rest)
-SPLIT = BwdLayout((frozenset({"DELTA", "DQ"}), frozenset({"DKV"})))  # 9 GEMMs, 2 launches: dq, dKV tile apart
-SPLIT3 = BwdLayout(tuple(frozenset({p}) for p in PARTS))             # 9 GEMMs, 3 launches
+FUSED = BwdLayout((frozenset(PARTS),))                         # 5 GEMMs, 1 launch: the one-pass structure
+SPLIT = BwdLayout((frozenset({"DQ"}), frozenset({"DKV"})))      # 7 GEMMs, 2 launches: dq and dKV tiles apart
 # Triton backward tiles per D: ``LAYOUT`` picks the launches; keys BLOCK_N, num_warps, num_stages, RELAXED (relaxed-
-# order dKV atomics), optional BLOCK_H and DKV_BLOCK_D. A key named after a launch (e.g. "DKV", "DELTA+DQ") holds
-# overrides for that launch.
+# order dKV atomics), optional BLOCK_H and DKV_BLOCK_D. A key named after a launch ("DQ", "DKV") holds overrides
+# for that launch. The deterministic mode changes only how dKV is added, so dq and d_sink are the same bits in both.
 BWD_CONFIGS = {
-    64: dict(LAYOUT=FUSED2, BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
-    128: dict(LAYOUT=FUSED2, BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
+    64: dict(LAYOUT=FUSED, BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
+    128: dict(LAYOUT=FUSED, BLOCK_N=32, num_warps=4, num_stages=2, RELAXED=True),
     256: dict(LAYOUT=SPLIT, BLOCK_N=32, num_warps=8, num_stages=2, RELAXED=True),
-    # H200, T = 32768, H = 64, K = 640 (2026-11-30), per pass: Delta 8.4 ms, dq 15.5 ms, dKV 39.3 ms (BENCHMARKS.md).
-    # Both modes share the Delta and dq launches, so dq and d_sink are the same bits in both.
-    512: dict(LAYOUT=SPLIT3, BLOCK_N=64, num_warps=8, num_stages=1, RELAXED=True, DELTA=dict(num_warps=4),
-              DKV=dict(BLOCK_N=32, num_warps=4, num_stages=1)),
+    # The dKV launch's tile in two column halves: the whole 32 x 512 one needs 288 KiB of shared memory.
+    512: dict(LAYOUT=SPLIT, BLOCK_N=64, num_warps=8, num_stages=1, RELAXED=True,
+              DKV=dict(BLOCK_N=32, num_warps=4, num_stages=1, DKV_BLOCK_D=256)),
 }
 SUPPORTED_D = tuple(FWD_CONFIGS)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -197,16 +190,15 @@ def _sparse_attn_bwd_rows_kernel(
     Q, KV, IDX, DO, DENOM2, DELTA, DQ, DKV,
     H, K, ROWS, scale, qk_scale_log2,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
-    DELTA_PASS: tl.constexpr, DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, DETERMINISTIC: tl.constexpr,
     RELAXED: tl.constexpr, DKV_BLOCK_D: tl.constexpr,
 ):
-    # One program per (query row, head block) over all D columns: q and dO are loaded once, before the loops, and
-    # each gathered BLOCK_N x D kv tile is loaded once per loop and serves as the keys (s = q kv^T, dp = dO kv^T)
-    # and the values (dq += dz kv); its dKV rows get scale * dz^T q + p^T dO. Which parts run is fixed per launch:
-    #   DELTA_PASS  a first loop computes Delta = sum_k p_k dp_k (fp32 p, as the reference) and stores it;
-    #               otherwise Delta is read from DELTA (written by an earlier launch).
-    #   DO_DQ       the second loop accumulates dq (BLOCK_H x D fp32) and stores it.
-    #   DO_DKV      the second loop adds each tile's dKV rows: atomics into the (N, D) fp32 gradient, or with
+    # One program per (query row, head block) over all D columns: q, dO and Delta (rowsum(dO * out), formed by
+    # the pre-pass) are loaded once, before the loop, and each gathered BLOCK_N x D kv tile is loaded once and serves
+    # as the keys (s = q kv^T, dp = dO kv^T) and the values (dq += dz kv); its dKV rows get scale * dz^T q + p^T dO.
+    # Which parts run is fixed per launch:
+    #   DO_DQ       the loop accumulates dq (BLOCK_H x D fp32) and stores it.
+    #   DO_DKV      the loop adds each tile's dKV rows: atomics into the (N, D) fp32 gradient, or with
     #               DETERMINISTIC plain stores into the (NUM_HB, ROWS, K, D) per-slot buffer (segment_sum.py).
     #               DKV_BLOCK_D < D forms the BLOCK_N x D dKV tile in column chunks, reading q and dO chunks
     #               again (L1 / L2 hits) instead of the hoisted tiles: fewer registers and less shared memory.
@@ -223,22 +215,7 @@ def _sparse_attn_bwd_rows_kernel(
     # log2 of the full denominator logaddexp(lse, sink); padded heads get p = 0 through the mask below.
     denom2 = tl.load(DENOM2 + t * H + offs_h, mask=h_mask, other=0.0)
 
-    if DELTA_PASS:
-        delta = tl.zeros([BLOCK_H], tl.float32)
-        for start in range(0, K, BLOCK_N):
-            n = start + offs_n
-            idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
-            valid = idx >= 0
-            # No load mask: empty slots read row 0 (kv has >= 1 row) and get p = 0.
-            kv_tile = tl.load(KV + tl.where(valid, idx, 0).to(tl.int64)[:, None] * D + offs_d[None, :])
-            s = dot(q_all, tl.trans(kv_tile), DOT_MODE)
-            dp = dot(do_all, tl.trans(kv_tile), DOT_MODE)
-            live = h_mask[:, None] & valid[None, :]
-            p = tl.where(live, tl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
-            delta += tl.sum(p * dp, 1)
-        tl.store(DELTA + t * H + offs_h, delta, mask=h_mask)
-    else:
-        delta = tl.load(DELTA + t * H + offs_h, mask=h_mask, other=0.0)
+    delta = tl.load(DELTA + t * H + offs_h, mask=h_mask, other=0.0)
 
     if DO_DQ or DO_DKV:
         if DO_DQ:
@@ -248,6 +225,7 @@ def _sparse_attn_bwd_rows_kernel(
             idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
             valid = idx >= 0
             row_off = tl.where(valid, idx, 0).to(tl.int64)[:, None] * D
+            # No load mask: empty slots read row 0 (kv has >= 1 row) and get p = 0.
             kv_tile = tl.load(KV + row_off + offs_d[None, :])
             s = dot(q_all, tl.trans(kv_tile), DOT_MODE)
             dp = dot(do_all, tl.trans(kv_tile), DOT_MODE)
@@ -326,7 +304,7 @@ def _launch(kernel, grid_of, q, config: dict, args: tuple):
     fitted = launch_fitting(launch, _FITTED.get(key, config), _smaller)
     if fitted is not config:
         _FITTED[key] = fitted
-        passes = "+".join(k for k in ("DELTA_PASS", "DO_DQ", "DO_DKV") if fitted.get(k))
+        passes = "+".join(k for k in ("DO_DQ", "DO_DKV") if fitted.get(k))
         SHRUNK[f"{getattr(getattr(kernel, 'fn', kernel), '__name__', type(kernel).__name__)} {passes}"] = (
             config, fitted)
 
@@ -377,7 +355,7 @@ def _delta_from_out_kernel(OUT, DO, DELTA, ROWS, D: tl.constexpr, BLOCK_R: tl.co
 
 
 def _delta_from_out(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    """(T, H) fp32 rowsum(dO * out) over D, from the low-precision output the forward saved (one read of each)."""
+    """(T, H) fp32 rowsum(dO * out) over D, from the output the forward saved, in its dtype (one read of each)."""
     T, H, D = out.shape
     delta = torch.empty(T, H, dtype=torch.float32, device=out.device)
     rows = T * H
@@ -399,27 +377,24 @@ def backward_kernel(q: torch.Tensor, deterministic: bool = False) -> str:
 def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, deterministic=False):
     """Returns dq (T, H, D) q.dtype, dkv (N, D) fp32, d_sink (H,) fp32.
 
-    ``out``: the forward's output; the one-pass Gluon backward (:func:`backward_kernel`) forms Delta from it, the
-    Triton passes recompute Delta from fp32 probabilities and ignore it (None is accepted there). ``config``: a
-    BWD_CONFIGS-style dict (its ``LAYOUT`` picks the Triton launches; a config forces the Triton passes);
-    ``deterministic``: no float atomics, bitwise-identical results for identical inputs (module docstring).
+    ``out``: the forward's output (T, H, D), in its dtype: Delta = rowsum(dO * out) comes from it in both backwards.
+    ``config``: a BWD_CONFIGS-style dict (its ``LAYOUT`` picks the Triton launches; a config forces the Triton
+    kernel); ``deterministic``: no float atomics, bitwise-identical results for identical inputs (module docstring).
     """
     T, H, D = q.shape
     denom = torch.logaddexp(lse, sink[None, :])                 # full denominator, includes the sink
     denom2 = (denom * LOG2E).contiguous()
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    delta = None
-    if T > 0 and config is None and out is not None and backward_kernel(q, deterministic) == "gluon":
-        delta = _gluon_bwd(q, kv, idx, out, grad_out, denom2, dq, dkv, scale)
-    if delta is None:
-        delta = torch.zeros(T, H, dtype=torch.float32, device=q.device)
-        if T > 0:
+    delta = _delta_from_out(out, grad_out)
+    if T > 0:
+        ran_gluon = (config is None and backward_kernel(q, deterministic) == "gluon"
+                     and _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale))
+        if not ran_gluon:
             config = dict(config or BWD_CONFIGS[D])
             layout = config.pop("LAYOUT", None)
             if not isinstance(layout, BwdLayout):
-                raise TypeError(f"backward config LAYOUT must be a BwdLayout (FUSED, FUSED2, SPLIT, SPLIT3), got "
-                                f"{layout!r}")
+                raise TypeError(f"backward config LAYOUT must be a BwdLayout (FUSED or SPLIT), got {layout!r}")
             _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, layout)
     # d_sink = -sum_t p_sink * Delta; p_sink = 0 where the sink is -inf (also on empty rows, where denom = -inf).
     p_sink = torch.where(denom == float("-inf"), 0.0, torch.exp(sink[None, :] - denom))
@@ -427,10 +402,9 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
     return dq, dkv, d_sink
 
 
-def _gluon_bwd(q, kv, idx, out, grad_out, denom2, dq, dkv, scale):
-    """The one-pass Gluon backward into ``dq`` and ``dkv``; returns Delta, or None if this Triton cannot build the
-    kernel (warned once per D and dtype; the caller then runs the Triton passes)."""
-    delta = _delta_from_out(out, grad_out)
+def _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale) -> bool:
+    """The one-pass Gluon backward into ``dq`` and ``dkv``; False if this Triton cannot build the kernel (warned
+    once per D and dtype; the caller then runs the Triton kernel)."""
     kv_read = kv if kv.shape[0] > 0 else kv.new_zeros(1, q.shape[2])   # empty slots are never read
     try:
         gluon_hopper_bwd.launch(q, grad_out, kv_read, idx, denom2, delta, dq, dkv, scale)
@@ -440,8 +414,8 @@ def _gluon_bwd(q, kv, idx, out, grad_out, denom2, dq, dkv, scale):
         variants.note_gluon_build_failure(exc, "sparse_attention", "backward", (q.shape[2], q.dtype),
                                           "using the Triton backward")
         dkv.zero_()
-        return None
-    return delta
+        return False
+    return True
 
 
 def _deterministic_rows(T: int, num_hb: int, K: int, D: int) -> int:
@@ -457,7 +431,7 @@ def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deter
     overrides = {name: config.pop(name) for name in list(config) if isinstance(config[name], dict)}
     for parts, name in zip(layout.passes, layout.names()):
         cfg = dict(config, **overrides.get(name, {}))
-        cfg.update(DELTA_PASS="DELTA" in parts, DO_DQ="DQ" in parts, DO_DKV="DKV" in parts,
+        cfg.update(DO_DQ="DQ" in parts, DO_DKV="DKV" in parts,
                    RELAXED=bool(cfg.get("RELAXED", False)), DKV_BLOCK_D=min(D, cfg.get("DKV_BLOCK_D", D)))
 
         def launch(s, e, buf, det):
@@ -538,10 +512,10 @@ variants.register(
     "sparse_attention", "backward",
     variants.Variant("gluon", "sparse-attention backward kernel (_sparse_attn_bwd_gluon)",
                      lambda q: gluon_hopper_bwd.check(q), sm90),
-    variants.Variant("triton", "sparse-attention backward passes (_sparse_attn_bwd_rows_kernel)", variants.always,
+    variants.Variant("triton", "sparse-attention backward kernel (_sparse_attn_bwd_rows_kernel)", variants.always,
                      variants.always))
 register_triton(kernel_supports, triton_forward, triton_backward)
 backend.register_kernel("sparse_attention", sparse_attention_triton)
 
 __all__ = ["sparse_attention_triton", "kernel_supports", "triton_forward", "triton_backward", "BwdLayout", "FUSED",
-           "FUSED2", "SPLIT", "SPLIT3"]
+           "SPLIT"]
