@@ -120,12 +120,11 @@ def _cfg(base: dict, **changes) -> dict:
 
 
 def sweep(T: int, log) -> None:
-    """Forward tile configurations of the one-tile (sparse) mode, then backward ones; same table columns."""
+    """Forward tile configurations (sparse mode), then backward ones; same table columns."""
     from dsv4attn.ops.indexer_loss import triton as klt
     f, b = klt.FWD_CONFIG, klt.BWD_CONFIG
-    for cfg in (_cfg(f, num_warps=16), _cfg(f, BLOCK_HT=32, BLOCK_HI=32), _cfg(f, BLOCK_HT=32, BLOCK_HI=32,
-                num_warps=4), _cfg(f, BLOCK_D=32), _cfg(f, BLOCK_D=128, num_stages=1), _cfg(f, num_stages=3),
-                _cfg(f, ONE_BLOCK_MAX_N=0, BLOCK_N=128)):
+    for cfg in (_cfg(f, num_warps=16), _cfg(f, BLOCK_HI=32), _cfg(f, BLOCK_HI=32, num_warps=4), _cfg(f, BLOCK_D=32),
+                _cfg(f, BLOCK_D=128, num_stages=1), _cfg(f, num_stages=3), _cfg(f, BLOCK_N=128)):
         try:
             bench(T, "sparse", log, False, config=cfg, tag=f" fwd {cfg}")
         except Exception as exc:                                           # noqa: BLE001 - report and go on

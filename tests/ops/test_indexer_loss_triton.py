@@ -37,14 +37,13 @@ from tests.ops.kernel_checks import OpLog, assert_error_within, low_precision_bo
 NAMES = ("kl", "d_index_q", "d_index_k", "d_index_weights")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-ONE_BLOCK = dict(ONE_BLOCK_MAX_N=512)          # explicit: the default config no longer uses one-tile mode
-TWO_PASS = dict(ONE_BLOCK_MAX_N=0, BLOCK_N=16)
+MULTI_BLOCK = dict(BLOCK_N=16)                 # several candidate blocks per row (the default walks 64 at a time)
 
 
 def _case(dtype, kind="explicit", T=16, H=5, D=32, Hi=3, Di=16, Nc=40, K=20, fwd=None, bwd_n=None,
           save_g=True, budget=None, lengths=None, teacher_dtype=None, full=False):
     # full: the kernel is given each head's full denominator (full_lse) instead of the outside mass.
-    return dict(dtype=dtype, kind=kind, T=T, H=H, D=D, Hi=Hi, Di=Di, Nc=Nc, K=K, fwd=fwd or ONE_BLOCK,
+    return dict(dtype=dtype, kind=kind, T=T, H=H, D=D, Hi=Hi, Di=Di, Nc=Nc, K=K, fwd=fwd or {},
                 bwd_n=bwd_n, save_g=save_g, budget=budget, lengths=lengths, teacher_dtype=teacher_dtype, full=full)
 
 
@@ -55,32 +54,31 @@ RAGGED_WIDE = (1, 3, 4, 0, 5, 9, 70)
 # The GPU failures' inputs, scaled down (see flash_inputs): one causal document with a top-k of its visible compressed
 # entries (-1 filled at the END of the early rows' candidate lists), and the ragged pack T/8, 3, T/2, rest.
 CAUSAL_T = 96
-RAGGED_GPU = (20, 3, 80, 57)          # T = 160: width 80 // 4 = 20, more than one 16-slot block in two-pass mode
+RAGGED_GPU = (20, 3, 80, 57)          # T = 160: width 80 // 4 = 20, more than one 16-slot block in multi-block mode
 CASES = {
-    "fp32-topk-one-tile": _case("fp32"),
-    "bf16-topk-one-tile": _case("bf16"),
-    "fp32-topk-two-pass": _case("fp32", K=36, Nc=50, fwd=TWO_PASS),
-    "bf16-topk-two-pass": _case("bf16", K=36, Nc=50, fwd=TWO_PASS),
-    "fp32-topk-head-blocks": _case("fp32", H=20, Hi=20, fwd=dict(BLOCK_HT=16, BLOCK_HI=16)),
+    "fp32-topk-default-tiles": _case("fp32"),
+    "bf16-topk-default-tiles": _case("bf16"),
+    "fp32-topk-multi-block": _case("fp32", K=36, Nc=50, fwd=MULTI_BLOCK),
+    "bf16-topk-multi-block": _case("bf16", K=36, Nc=50, fwd=MULTI_BLOCK),
+    "fp32-topk-head-blocks": _case("fp32", H=20, Hi=20, fwd=dict(BLOCK_HI=16)),
     "fp32-topk-recompute-bwd": _case("fp32", save_g=False, bwd_n=16, K=36, Nc=50),
     "bf16-topk-recompute-bwd": _case("bf16", save_g=False, bwd_n=16, K=36, Nc=50),
-    "fp32-visible-one-tile": _case("fp32", kind="visible", lengths=RAGGED),
-    "bf16-visible-two-pass-recompute-chunks": _case("bf16", kind="visible", lengths=RAGGED_WIDE, fwd=TWO_PASS,
+    "fp32-visible-default-tiles": _case("fp32", kind="visible", lengths=RAGGED),
+    "bf16-visible-multi-block-recompute-chunks": _case("bf16", kind="visible", lengths=RAGGED_WIDE, fwd=MULTI_BLOCK,
                                                     save_g=False, bwd_n=16, budget=9 * 17),
     "mixed-q-bf16-compressed-kv-fp32": _case("bf16", teacher_dtype="fp32"),
-    "bf16-causal-topk-one-tile": _case("bf16", kind="causal", T=CAUSAL_T, K=20),
-    "bf16-causal-topk-two-pass": _case("bf16", kind="causal", T=CAUSAL_T, K=20, fwd=TWO_PASS),
-    "bf16-causal-topk-default-config": _case("bf16", kind="causal", T=CAUSAL_T, K=20, fwd={}),
-    "bf16-ragged-like-h200-test-one-tile": _case("bf16", kind="visible", lengths=RAGGED_GPU),
-    "bf16-ragged-like-h200-test-two-pass-recompute": _case("bf16", kind="visible", lengths=RAGGED_GPU, fwd=TWO_PASS,
+    "bf16-causal-topk-default-tiles": _case("bf16", kind="causal", T=CAUSAL_T, K=20),
+    "bf16-causal-topk-multi-block": _case("bf16", kind="causal", T=CAUSAL_T, K=20, fwd=MULTI_BLOCK),
+    "bf16-ragged-like-h200-test-default-tiles": _case("bf16", kind="visible", lengths=RAGGED_GPU),
+    "bf16-ragged-like-h200-test-multi-block-recompute": _case("bf16", kind="visible", lengths=RAGGED_GPU, fwd=MULTI_BLOCK,
                                                      save_g=False, bwd_n=16),
-    "fp32-topk-full-denominator": _case("fp32", K=36, Nc=50, fwd=TWO_PASS, full=True),
-    "bf16-topk-full-denominator": _case("bf16", K=36, Nc=50, fwd=TWO_PASS, full=True),
-    "bf16-topk-full-denominator-recompute-bwd": _case("bf16", save_g=False, bwd_n=16, K=36, Nc=50, fwd=TWO_PASS,
+    "fp32-topk-full-denominator": _case("fp32", K=36, Nc=50, fwd=MULTI_BLOCK, full=True),
+    "bf16-topk-full-denominator": _case("bf16", K=36, Nc=50, fwd=MULTI_BLOCK, full=True),
+    "bf16-topk-full-denominator-recompute-bwd": _case("bf16", save_g=False, bwd_n=16, K=36, Nc=50, fwd=MULTI_BLOCK,
                                                       full=True),
     "bf16-causal-topk-full-denominator-default-config": _case("bf16", kind="causal", T=CAUSAL_T, K=20, fwd={},
                                                               full=True),
-    "bf16-visible-full-denominator-chunks": _case("bf16", kind="visible", lengths=RAGGED_WIDE, fwd=TWO_PASS,
+    "bf16-visible-full-denominator-chunks": _case("bf16", kind="visible", lengths=RAGGED_WIDE, fwd=MULTI_BLOCK,
                                                   budget=9 * 17, full=True),
 }
 
@@ -204,7 +202,7 @@ def _worker() -> None:
     # Edge cases, fp32, one tile: teacher mass ~1e-30 (renormalised), teacher mass below FLT_MIN (exact zeros),
     # and no compressed entry at all (Nc = 0, every slot -1).
     edge = {}
-    base = _inputs(CASES["fp32-topk-one-tile"], 7)
+    base = _inputs(CASES["fp32-topk-default-tiles"], 7)
     for name, value in (("tiny_mass", 70.0), ("underflow", 200.0)):
         for full in (False, True):
             inputs = list(base)
@@ -224,7 +222,7 @@ def _worker() -> None:
     results["edge"] = edge
 
     # Plumbing: registration, dispatch of the public op, the documented float64 fallback.
-    inputs = _inputs(CASES["bf16-topk-one-tile"], 1)
+    inputs = _inputs(CASES["bf16-topk-default-tiles"], 1)
     direct = _run(klt.indexer_kl_triton, inputs)
     backend.set_backend("triton")
     index_q, index_k, index_w, q, ckv, outside, cand, grad_kl = inputs
@@ -279,7 +277,7 @@ def _mass_given_check(klt) -> dict:
 
 # The registered ops, on the small cases: which path runs, bitwise agreement of the two paths, torch.library's checks
 # and torch.compile. Each case once with the saved dKL/dI and once with the backward recomputing the teacher.
-OP_CASES = ("bf16-topk-one-tile", "fp32-topk-two-pass", "mixed-q-bf16-compressed-kv-fp32",
+OP_CASES = ("bf16-topk-default-tiles", "fp32-topk-multi-block", "mixed-q-bf16-compressed-kv-fp32",
             "bf16-topk-full-denominator")
 
 
@@ -365,10 +363,10 @@ def test_kernel_matches_float64_reference(interpreted, case_id):
     _assert_within_bounds(case_id, interpreted[case_id], CASES[case_id]["dtype"] != "fp32")
 
 
-def test_two_pass_cases_span_several_blocks(interpreted):
+def test_multi_block_cases_span_several_blocks(interpreted):
     for case_id, c in CASES.items():
-        if c["fwd"] is TWO_PASS:
-            assert interpreted[case_id]["width"] > TWO_PASS["BLOCK_N"], case_id
+        if c["fwd"] is MULTI_BLOCK:
+            assert interpreted[case_id]["width"] > MULTI_BLOCK["BLOCK_N"], case_id
 
 
 @pytest.mark.parametrize("form", ["", "_full"], ids=["outside-mass", "full-denominator"])
@@ -515,18 +513,6 @@ def test_gpu_compile_fullgraph_and_cuda_graph_match_eager():
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, want)
-
-
-def test_one_tile_forward_is_refused_outside_the_interpreter(monkeypatch):
-    """The one-tile forward is wrong on the H200 (2026-11-30) though exact in the interpreter: compiled runs must
-    refuse it with a clear error instead of returning a wrong loss."""
-    pytest.importorskip("triton")
-    from dsv4attn.ops.indexer_loss import triton as klt
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    one_tile = dict(klt.FWD_CONFIG, ONE_BLOCK_MAX_N=512)
-    with pytest.raises(ValueError, match="ONE_BLOCK_MAX_N=512 asks for the one-tile forward"):
-        klt._fwd_meta(512, 64, 512, 64, 128, one_tile)
-    assert not klt._fwd_meta(512, 64, 512, 64, 128, klt.FWD_CONFIG)["ONE_BLOCK"]
 
 
 def test_gluon_teacher_mass_dispatch(monkeypatch):

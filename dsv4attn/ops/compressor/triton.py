@@ -51,11 +51,9 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # groups x ratio x width fp32 (ratio 4, width 1024: 8 MiB at 512 groups; ratio 128, width 512: 8 MiB at 32),
 # written and read once more: few groups keep that traffic small, enough groups keep the GPU busy. Benchmarks and
 # tests may pass others (benchmarks/compressor.py --sweep; fwd configs may add CHANNELS_FIRST=True).
-# Best of benchmarks/compressor.py --sweep on the H200, T = 131072, Flash widths (2026-11-30, seventh session;
-# BENCHMARKS.md): whole 512-channel rows per program. Ratio 4 fwd 0.20 ms (was 0.54 with 64-channel blocks), bwd
-# 0.77 ms (was 1.0-1.1; 0.85 with 4096 groups); ratio 128 fwd 0.16-0.19 ms (one 128-slot chunk; was 0.22-0.31), bwd
-# 0.24-0.26 ms (was 0.27-0.30). The backwards hold 160-255 registers per thread (offline ptxas, sm_90), which caps
-# them at 8-12 warps per SM.
+# The defaults are the fastest of benchmarks/compressor.py --sweep on the H200 at the Flash widths (BENCHMARKS.md,
+# "Compressor"): at ratio 4 whole 512-channel rows per program, at ratio 128 one 128-slot chunk per entry. The backwards hold 160-255 registers per thread (offline ptxas, sm_90),
+# which caps them at 8-12 warps per SM.
 CONFIGS = {
     4: dict(fwd=dict(BLOCK_E=2, CHUNK=8, BLOCK_D=512, num_warps=4),
             bwd=dict(BLOCK_E=1, CHUNK=8, BLOCK_D=512, MAX_GROUPS=512, num_warps=4)),

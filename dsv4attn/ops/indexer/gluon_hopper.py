@@ -23,10 +23,10 @@ Unlike the Triton kernel, which masks its key loads per needed column, this one 
 from e0 below the block's largest ``first + visible``, gaps between documents included: ``table`` (if any) must be
 defined there, as the layouts' lowering tables are (every entry below the capacity).
 
-Why: the Triton kernel (7.2 ms at T = 32768, 0.39 of the matmul peak on an H200) loads each head's query tile
-synchronously between its dots. This one, H200 at T = 32768 (seventh session, BENCHMARKS.md): 7.0 ms with the
-weights staged in shared memory, 5.5 ms with them from global memory, 4.7-4.9 ms with the TMA producer (0.58-0.60
-of the matmul peak). Not done: issuing head h + 1's product before head h's ReLU-weight-sum (a second 64-register
+Why: the Triton kernel loads each head's query tile synchronously between its dots, so its tensor cores wait on
+every load; here a producer keeps query tiles in flight (TMA by default, measured faster than cp.async) and the
+weights come from global memory (faster than staging them in shared memory; BENCHMARKS.md, "Indexer scores").
+Not done: issuing head h + 1's product before head h's ReLU-weight-sum (a second 64-register
 accumulator): ptxas spills it at the consumers' 216-240 registers, and the launch (384 threads) allows no more.
 """
 from __future__ import annotations
@@ -39,8 +39,8 @@ from ..gluon_common import (IMPORTED, TensorDescriptor, half_precision, sm90, as
 BLOCK_T, BLOCK_E, HEADS, HEAD_DIM = 64, 256, 64, 128
 # STAGES: query tiles in flight (16 KiB each); TMA: the producer is one warp issuing one TMA copy per query tile
 # (else four warps of cp.async); REGS: registers per thread of the worker consumer and the producer, None: the
-# producer's DEFAULT_REGS, (216, 24) with the TMA producer, (216, 40) with cp.async.
-# H200, T = 32768 (seventh session): TMA 4.70-4.88 ms (6 stages: the same), cp.async 5.53-5.62 ms.
+# producer's DEFAULT_REGS, (216, 24) with the TMA producer, (216, 40) with cp.async. More stages than 4 measured
+# no faster.
 CONFIG = dict(STAGES=4, TMA=True, REGS=None)
 DEFAULT_REGS = {True: (216, 24), False: (216, 40)}          # key: CONFIG["TMA"]
 

@@ -13,8 +13,8 @@ its hi / lo parts to its shared-memory buffers, dq += dx ki (M = 64, N = 128, K 
 (M = 128 dims, N = BLOCK_N, K = 64 heads) added to dki; at the end consumer 1 hands its dq and dw partial sums to
 consumer 0 through shared memory, which stores the sums.
 
-The default on SM90 (``BWD_CONFIG["GLUON"]``): H200, T = 32768, K = 512 (seventh session, BENCHMARKS.md): 6.2 ms
-against 11.4 ms for the Triton kernel; the GPU tests check both against float64.
+The default on SM90 (``BWD_CONFIG["GLUON"]``): about half the Triton kernel's time at the V4 shapes (BENCHMARKS.md,
+"Indexer KL loss"); the GPU tests check both against float64.
 """
 from __future__ import annotations
 

@@ -13,15 +13,10 @@ Z needs only the per-head LSEs (second form), so it is known before any T(j) is 
 
 Forward, one program per query row (programs in row order: neighbouring rows share most candidates, in L2):
 
-- *One-block mode* (row width K <= ``ONE_BLOCK_MAX_N``, e.g. the sparse phase's top-k 512): all candidates of the
-  row are one tile of ``BLOCK_N >= K`` gathered rows. The student I(j) is computed first (index heads in blocks of
-  ``BLOCK_HI``), then the teacher head block by head block (``BLOCK_HT`` heads): with every candidate in the tile
-  a head block's L_h is final as soon as its logits are, so each logit is computed exactly once and the gathered
-  compressed rows are read once per head block.
-- *Two-pass mode* (wider rows: the warm-up's every-visible-entry sets): candidates in blocks of ``BLOCK_N``, all
-  heads in one tile; pass 1 keeps online per-head LSEs (teacher) and per-lane online LSEs (student), pass 2
-  recomputes the logits and forms T, the KL terms and dKL/dI. Memory stays linear in T (the candidate rows are
-  materialised one chunk of query rows at a time, see :func:`indexer_kl_triton`).
+- *Two-pass form* (``outside_lse`` given): candidates in blocks of ``BLOCK_N``, all main heads in one tile, the
+  index heads in blocks of ``BLOCK_HI``; pass 1 keeps online per-head LSEs (teacher) and per-lane online LSEs
+  (student), pass 2 recomputes the logits and forms T, the KL terms and dKL/dI. Memory stays linear in T (the
+  candidate rows are materialised one chunk of query rows at a time, see :func:`indexer_kl_triton`).
 
 *Full-denominator form* (``full``: each head's L_h is given, e.g. the attention's logaddexp(lse, sink)): one
 program per row, one pass forming I(j) with its online LSE and mass(j) from natural-log logits with Z, storing
@@ -63,20 +58,14 @@ from ... import backend, variants
 from ..gluon_common import sm90
 from ..sparse_attention import gluon_hopper
 from . import gluon_hopper as gluon_kl
-from ..triton_common import dot, dot_mode, interpreting, launch_fitting, round_to
+from ..triton_common import dot, dot_mode, launch_fitting, round_to
 from ..index_sets import Explicit, IndexSet, chunk_rows
 from .reference import FLT_MIN, indexer_kl_reference
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Forward tiles. ONE_BLOCK_MAX_N: widest row handled as a single candidate tile (BLOCK_N = next power of 2 >= K);
-# BLOCK_N: candidates per step in two-pass mode; BLOCK_HT / BLOCK_HI: main / index heads per tile in one-block mode
-# (two-pass mode puts every main head in one tile); BLOCK_D: contraction chunk of the teacher logits.
-# ONE_BLOCK_MAX_N = 0: one-tile mode is OFF by default. On the H200 (Triton 3.6) every failing check ran it (sparse
-# top-512 and the ragged warm-up pack, whose width is max_seqlen // 4 = 512: BLOCK_N = 512, 64 x 512 fp32 tiles,
-# m64n256 wgmma, the 128 KiB gathered index-key tile sharing shared memory with the teacher tiles) and was wrong
-# (KL error ~ its magnitude), while two-pass mode at the same geometry (warm-up, one document, K = 1024) was right.
-# It is exact under the interpreter, so the cause is not in the formulas; re-enable (512) only after a GPU check.
-FWD_CONFIG = dict(ONE_BLOCK_MAX_N=0, BLOCK_N=64, BLOCK_HT=64, BLOCK_HI=64, BLOCK_D=64, num_warps=8, num_stages=2)
+# Forward tiles. BLOCK_N: candidates per step; BLOCK_HI: index heads per student tile (every main head is in one
+# tile); BLOCK_D: contraction chunk of the teacher logits.
+FWD_CONFIG = dict(BLOCK_N=64, BLOCK_HI=64, BLOCK_D=64, num_warps=8, num_stages=2)
 # Backward tiles: every index head in one tile (d index_q accumulates in registers), BLOCK_N candidates per step.
 # SPLIT_DX: for bf16/fp16 inputs, feed dKL/dx to the gradient matmuls as hi + lo parts (two tensor-core dots each):
 # one bf16-rounded dx alone gives d index_k errors ~3.5x the reference's own (final rounding only) on small tests.
@@ -88,7 +77,7 @@ SAVE_G_MAX_WIDTH = 1024
 # int32 candidate slots materialised per chunk of query rows (the sparse phase at T = 32K, K = 512: one chunk).
 INDEX_BUDGET = 1 << 25
 # The order in which the ops' ``fwd_tiles`` / ``bwd_tiles`` arguments list a config (custom op schemas take no dicts).
-FWD_KEYS = ("ONE_BLOCK_MAX_N", "BLOCK_N", "BLOCK_HT", "BLOCK_HI", "BLOCK_D", "num_warps", "num_stages")
+FWD_KEYS = ("BLOCK_N", "BLOCK_HI", "BLOCK_D", "num_warps", "num_stages")
 BWD_KEYS = ("BLOCK_N", "BLOCK_D", "SPLIT_DX", "num_warps", "num_stages", "KERNEL")
 
 
@@ -284,12 +273,11 @@ def _indexer_kl_fwd_kernel(
     K, qk_scale_log2, qk_scale, flt_min,
     H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
-    BLOCK_D: tl.constexpr, ONE_BLOCK: tl.constexpr, SAVE_G: tl.constexpr, DOT_T: tl.constexpr,
+    BLOCK_D: tl.constexpr, SAVE_G: tl.constexpr, DOT_T: tl.constexpr,
     DOT_S: tl.constexpr, FULL: tl.constexpr = False, MASS_GIVEN: tl.constexpr = False,
 ):
     # FULL2 (rows, H): log2 of each head's full denominator (FULL: the natural-log L itself). ROWSTAT (rows, 3):
-    # log2 of the student's LSE, max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; in two-pass
-    # mode slots past NEND, the row's last valid slot + 1, are not written: the backward never reads them, the
+    # log2 of the student's LSE, max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; slots past NEND, the row's last valid slot + 1, are not written: the backward never reads them, the
     # launcher zero-fills G).
     # FULL: OUTSIDE holds each head's full denominator L itself (natural log), so the teacher logits are formed
     # once (see _full_denominator_given_pass); MASS (rows, K) fp32 holds the teacher mass (scratch, or formed
@@ -299,35 +287,6 @@ def _indexer_kl_fwd_kernel(
         kl, lse_i2, z_floor, sum_t = _full_denominator_given_pass(
             QI, KI, W, Q, CKV, OUTSIDE, IDX, NEND, FULL2, G, MASS, t, K, qk_scale, flt_min, H, D, Hi, Di,
             BLOCK_N, BLOCK_HT, BLOCK_HI, BLOCK_DI, BLOCK_D, SAVE_G, DOT_T, DOT_S, MASS_GIVEN)
-    elif ONE_BLOCK:
-        n, valid, rows = _load_slots(IDX, t, K, 0, BLOCK_N)
-        ki = _load_keys(KI, rows, valid, Di, BLOCK_DI)
-        score2 = _student_scores2(QI, W, ki, t, valid, Hi, Di, BLOCK_HI, BLOCK_DI, BLOCK_N, DOT_S)
-        mass = tl.zeros([BLOCK_N], tl.float32)
-        inside = tl.zeros([BLOCK_HT], tl.float32)
-        for h0 in tl.static_range(0, H, BLOCK_HT):
-            # Every candidate is in the tile, so this head block's denominators are final right away.
-            s2 = _teacher_logits2(Q, CKV, t, h0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D,
-                                  DOT_T)
-            m = tl.max(s2, 1)
-            m = tl.where(m == float("-inf"), 0.0, m)
-            full, inside_h = _full_denominator2(OUTSIDE, t, h0, m, tl.sum(tl.exp2(s2 - m[:, None]), 1), H,
-                                                BLOCK_HT)
-            offs_h = h0 + tl.arange(0, BLOCK_HT)
-            tl.store(FULL2 + t * H + offs_h, full, mask=offs_h < H)
-            inside += inside_h
-            mass += _mass(s2, full)
-        m_i = tl.max(score2, 0)
-        m_i = tl.where(m_i == float("-inf"), 0.0, m_i)
-        l_i = tl.sum(tl.exp2(score2 - m_i), 0)
-        lse_i2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        z = tl.sum(inside, 0)
-        z_floor = tl.maximum(z, flt_min)
-        sum_t = z / z_floor
-        terms, d_score = _kl_terms(mass, score2, valid, lse_i2, z_floor, sum_t)
-        if SAVE_G:
-            tl.store(G + t * K + n, d_score, mask=n < K)
-        kl = tl.sum(terms, 0)
     else:
         # Pass 1: online per-head LSE of the teacher logits (all heads in one tile: BLOCK_HT >= H) and per-lane
         # online LSE of the student scores. Blocks past the row's last valid slot are skipped.
@@ -455,25 +414,12 @@ def _launch(kernel, rows: int, args: tuple, meta: dict, launch: dict, shrink) ->
     launch_fitting(lambda fit: kernel[(rows,)](*args, **fit[0], **fit[1]), (meta, launch), smaller)
 
 
-def _fwd_meta(K: int, H: int, D: int, Hi: int, Di: int, cfg: dict) -> dict:
-    one_block = K <= cfg["ONE_BLOCK_MAX_N"]
-    if one_block and not interpreting():
-        raise ValueError(f"ONE_BLOCK_MAX_N={cfg['ONE_BLOCK_MAX_N']} asks for the one-tile forward, which gives wrong "
-                         f"results on the H200 (Triton 3.6; exact only under the CPU interpreter): use "
-                         f"ONE_BLOCK_MAX_N=0 (two-pass) on GPUs until it is fixed (issue #5)")
-    return dict(
-        H=H, D=D, Hi=Hi, Di=Di, ONE_BLOCK=one_block,
-        BLOCK_N=_pow2(K) if one_block else cfg["BLOCK_N"],
-        BLOCK_HT=min(cfg["BLOCK_HT"], _pow2(H)) if one_block else _pow2(H),
-        BLOCK_HI=min(cfg["BLOCK_HI"], _pow2(Hi)),
-        BLOCK_DI=_pow2(Di), BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)))
+def _fwd_meta(H: int, D: int, Hi: int, Di: int, cfg: dict) -> dict:
+    return dict(H=H, D=D, Hi=Hi, Di=Di, BLOCK_N=cfg["BLOCK_N"], BLOCK_HT=_pow2(H),
+                BLOCK_HI=min(cfg["BLOCK_HI"], _pow2(Hi)), BLOCK_DI=_pow2(Di), BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)))
 
 
 def _fwd_shrink(meta: dict) -> dict | None:
-    if meta["ONE_BLOCK"]:            # smaller head blocks first, then give up the single tile
-        if meta["BLOCK_HT"] > 16:
-            return dict(meta, BLOCK_HT=meta["BLOCK_HT"] // 2, BLOCK_HI=max(16, meta["BLOCK_HI"] // 2))
-        return dict(meta, ONE_BLOCK=False, BLOCK_N=64, BLOCK_HT=_pow2(meta["H"]))
     if meta["BLOCK_N"] > 16:
         return dict(meta, BLOCK_N=meta["BLOCK_N"] // 2)
     return None
@@ -536,7 +482,7 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     kl = torch.empty(T, dtype=torch.float32, device=qi.device)
     full2 = torch.empty(T, H, dtype=torch.float32, device=qi.device)
     rowstat = torch.empty(T, 3, dtype=torch.float32, device=qi.device)
-    # Zeros, not empty: two-pass mode skips the slots past a row's last valid one, and the op's outputs must be
+    # Zeros, not empty: the kernel skips the slots past a row's last valid one, and the op's outputs must be
     # defined everywhere (the backward never reads them; one memset of T x K fp32).
     g_buf = torch.zeros(T, K, dtype=torch.float32, device=qi.device) if save_g else None
     mass_given = mass is not None
@@ -551,10 +497,8 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
             scratch[name] = torch.empty(e - s, K, dtype=torch.float32, device=qi.device)
         return scratch[name][:e - s]
     cfg, launch = _split_launch(config)
-    meta = dict(_fwd_meta(K, H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype),
+    meta = dict(_fwd_meta(H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype),
                 FULL=full, MASS_GIVEN=mass_given)
-    if full:                                 # one pass per row: the one-candidate-tile layout does not apply
-        meta.update(ONE_BLOCK=False, BLOCK_N=cfg["BLOCK_N"], BLOCK_HT=_pow2(H))
     for s, e, idx, n_end in chunks:
         g_rows = rows_of("g", g_buf, s, e) if full or save_g else kl
         mass_rows = rows_of("mass", mass, s, e) if full else kl

@@ -42,11 +42,8 @@ from ..gluon_common import (BLOCK_H, IMPORTED, async_copy, copy_heads, fence_asy
 
 LOG2E = 1.4426950408889634
 # BLOCK_N: gathered rows per block; STAGES: ring depth; REGS: registers per thread of the worker consumer and the
-# producer (setmaxnreg; the first consumer gets the rest of the 64K). H200, T = 32768, H = 64, K = 640 (third
-# session, before the index prefetch and staged stores): REGS (216, 40) 7.32-7.38 ms, (232, 24) 7.70-7.78,
-# (200, 56) 7.45, (184, 72) 10.5 (consumer spills); 32 rows x 4 / 3 stages 9.2 ms. Fourth session (216, 40):
-# 6.81-6.91 ms, (208, 56) / (224, 32) 2% slower. Back-to-back P V / Q K^T without spills (fifth session): (216, 40)
-# 6.27 / 6.38 ms, (224, 32) 6.32 / 6.12 ms in two alternations of one run: no clear winner, the default stays.
+# producer (setmaxnreg; the first consumer gets the rest of the 64K). Fewer consumer registers spill; the other
+# splits, smaller blocks and deeper rings measured slower or no faster (BENCHMARKS.md, the Gluon forward sections).
 FWD_CONFIG = dict(BLOCK_N=64, STAGES=2, REGS=(216, 40))
 
 
@@ -145,8 +142,8 @@ if IMPORTED:
         # hand-over -> P V of b -> Q K^T of b + 1 -> softmax of b + 1 -> hand-over. So each iteration takes the
         # other's block b and this consumer's block c = b + 1 together: P V of b and Q K^T of c are issued back to
         # back (asynchronously, no idle tensor cores between them), b's stage is released once its P V is done
-        # (waiting for all but the newest product), c's softmax starts once its Q K^T is. (H200, T = 32768,
-        # H = 64, K = 640: 6.27-6.38 ms; P V, then Q K^T, each waited for: 6.37-6.61 ms in the same run.)
+        # (waiting for all but the newest product), c's softmax starts once its Q K^T is (faster than P V, then
+        # Q K^T, each waited for: BENCHMARKS.md, fifth session).
         # mbarrier.arrive is issued by one thread; Triton puts a barrier of the warpgroup before it (an arrive
         # counts as touching all shared memory), so every thread's stores are done when the other side wakes.
         HALF: gl.constexpr = D // 2

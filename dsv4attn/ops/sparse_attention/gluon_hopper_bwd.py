@@ -169,8 +169,8 @@ if IMPORTED:
                     acc = warpgroup_mma_wait(0, deps=[acc])
                     mbarrier.arrive(pfree.index(buf))           # the last products have read P and dS
                 # Column 16a + 8b + 2q + e of the chunk is stored at 16a + 4q + 2b + e (the post-pass undoes it):
-                # each thread's four values of a 16-column group become adjacent. H200, T = 32768: 8-byte reductions
-                # 23.6 ms, 16-byte 20.9, whole lines 20.2 (the reductions cost ~8 ms: 12.9 without them).
+                # each thread's four values of a 16-column group become adjacent, so each reduction is 16 bytes and a
+                # warp's cover whole 128-byte lines (the reductions are this kernel's largest cost: BENCHMARKS.md).
                 acc = gl.permute(gl.reshape(acc, [BLOCK_N, CHUNK // 16, 2, 4, 2]), [0, 1, 3, 2, 4])
                 acc = gl.convert_layout(gl.reshape(acc, [BLOCK_N, CHUNK]), red_layout)
                 gl.atomic_add(DKV + rows[:, None] + (c * CHUNK + cols)[None, :], acc, mask=valid[:, None],

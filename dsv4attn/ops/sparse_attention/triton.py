@@ -58,8 +58,8 @@ FWD_CONFIGS = {
     128: dict(BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=128, num_warps=4, num_stages=2),
     256: dict(BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=2),
     # One program owns all 512 value columns (64 x 512 fp32 accumulator over 8 warps) and loads each gathered
-    # 64 x 512 kv tile once for scores and values. H200, T = 32768, H = 64, K = 640 (2026-11-30): 10.1 ms; the
-    # split-score layout (BLOCK_N 32, BLOCK_DK 128) 15.5 ms; BLOCK_N 32 shared 14.5 ms; 16 rows 23.9 ms.
+    # 64 x 512 kv tile once for scores and values: the fastest of the layouts tried (BENCHMARKS.md, "Forward
+    # variants").
     512: dict(BLOCK_N=64, BLOCK_DK=512, BLOCK_DV=512, num_warps=8, num_stages=2),
 }
 PARTS = ("DQ", "DKV")
