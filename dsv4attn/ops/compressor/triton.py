@@ -127,7 +127,8 @@ def _compress_pool_fwd_kernel(
         acc = acc * alpha + tl.sum(p * x, 1)
         m = m_new
 
-    has_slots = l > 0                                          # False exactly for padding entries
+    # False exactly for padding entries; a NaN gate or bias makes l NaN and must reach the output, as in the reference.
+    has_slots = (l > 0) | (l != l)
     pooled = tl.where(has_slots, acc / tl.where(has_slots, l, 1.0), 0.0)
     out_offs = entries[:, None] * D + ch[None, :]
     tl.store(OUT + out_offs, round_to(pooled, OUT, ROUND_BF16), mask=entry_ok[:, None])

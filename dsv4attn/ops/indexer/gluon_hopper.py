@@ -135,10 +135,11 @@ if IMPORTED:
             k_t = k_all.index(z).slice(W * HALF_E, HALF_E, dim=0).permute((1, 0))   # (128 dims, 128 entries)
             s = warpgroup_mma(ring.index(stage + z), k_t, zero, use_acc=False)
             mbarrier.arrive(empty.index(stage))
-            acc += w_h[:, None] * gl.maximum(s, 0.0)
+            acc += w_h[:, None] * gl.where(s < 0, 0.0, s)        # ReLU that keeps a NaN (maximum drops it)
         # acc starts at +0.0 and the sums never give -0.0: equal scores have equal bits (see the Triton kernel).
         bits = acc.to(gl.int32, bitcast=True)
         order = gl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        order = gl.where(acc != acc, 0x7FFFFFFF, order)        # every NaN above +inf, as in the reference's sort
         first = gl.load(FIRST + rows, mask=row_ok, other=0).to(gl.int64)
         visible = gl.load(VISIBLE + rows, mask=row_ok, other=0).to(gl.int64)
         entries = e0 + W * HALF_E + gl.arange(0, HALF_E, layout=gl.SliceLayout(0, s_layout)).to(gl.int64)

@@ -3,8 +3,8 @@
 ``score(t, j) = sum_h weights[t, h] * ReLU(<q[t, h], k[j]>)`` in fp32 (fp64 for fp64 inputs), where ``weights``
 already carries ``index_n_heads ** -0.5 * index_head_dim ** -0.5``. Candidates are the compressed entries of the
 row's own document that it may see (``j < floor((t+1)/4)``); the top-k keeps the ``min(k, visible)`` highest,
-ties broken by the lower index (a stable sort over candidates listed in increasing index order), and fills the
-remaining slots with -1. Top-k indices are not differentiable.
+ties broken by the lower index (a stable sort over candidates listed in increasing index order; a NaN score ranks
+above every number, so it is selected and propagates), and fills the remaining slots with -1. Top-k indices are not differentiable.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
             scores = index_scores(q[s:e], gather_rows(k, cand), weights[s:e], valid)
             order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :width]
             chosen = cand.gather(1, order)
-            chosen_valid = scores.gather(1, order) > float("-inf")
+            # A NaN score sorts first and stays selected (its NaN then reaches the attention), as the kernels do.
+            chosen_valid = scores.gather(1, order) != float("-inf")
             out[s:e] = torch.where(chosen_valid, chosen, torch.full_like(chosen, -1)).to(torch.int32)
     return out

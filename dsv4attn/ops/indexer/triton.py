@@ -116,12 +116,14 @@ def _indexer_orders_kernel(
             q_h = tl.load(q_rows + h * Di, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             w_h = tl.load(W + rows * H + h, mask=row_ok, other=0.0).to(tl.float32)
             s = dot(q_h, k_t, DOT_MODE)
-            acc += w_h[:, None] * tl.maximum(s, 0.0)
+            acc += w_h[:, None] * tl.where(s < 0, 0.0, s)        # ReLU that keeps a NaN (maximum drops it)
 
     # acc starts at +0.0 and x + (-0.0) or x - x never gives -0.0, so a zero score is +0.0: equal scores have
     # equal bits, as the order map needs (the reference compares floats, where -0.0 == +0.0).
     bits = acc.to(tl.int32, bitcast=True)
     order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)                   # signed order == float order
+    # Every NaN (either sign) ranks above +inf, as in the reference's sort: a NaN score is selected and propagates.
+    order = tl.where(acc != acc, 0x7FFFFFFF, order)
     tl.store(ORDERS + rows[:, None] * width + j, order, mask=valid)
 
 
