@@ -261,8 +261,16 @@ class _DSV4Attention(_hf.DeepseekV4Attention):
         layer = self.dsv4attn_layer
         for owner, leaf, hf_owner, hf_leaf in layer._dsv4attn_links:
             p = hf_owner._parameters[hf_leaf]
-            if owner._parameters[leaf] is not p:
-                owner._parameters[leaf] = p
+            if leaf in getattr(owner, "_fp32_params", ()) and p.dtype not in (torch.float32, torch.float64):
+                # Sinks and positional biases are fp32 in dsv4attn (decision 11); transformers keeps them fp32 when
+                # loading in bf16, but model.to(torch.bfloat16) casts them. Feed an fp32 copy (differentiable:
+                # the gradient reaches the bf16 parameter) in the parameter's place for this forward.
+                owner._parameters.pop(leaf, None)
+                owner.__dict__[leaf] = p.float()
+            else:
+                owner.__dict__.pop(leaf, None)
+                if owner._parameters.get(leaf) is not p:
+                    owner._parameters[leaf] = p
         if layer.training != self.training:
             layer.train(self.training)
         return layer

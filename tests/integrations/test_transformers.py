@@ -331,3 +331,35 @@ def test_host_reads_happen_once_per_forward_not_per_layer(models):
     assert sum(pack_reads.reads.values()) == 2, pack_reads.reads
     assert rows.pack.num_docs == len(LENGTHS)
     assert len(counters) == 3 and all(not c.reads and not c.scans for c in counters.values()), counters
+
+
+def test_cast_to_bf16_and_gradient_checkpointing(models):
+    """model.to(torch.bfloat16) casts sinks and positional biases too: dsv4attn gets fp32 copies of them and their
+    gradients reach the bf16 parameters. Gradient checkpointing recomputes the layers with the same batch."""
+    ref, model = models
+    ids, pos = packed_inputs()
+    weights = torch.randn(len(ids), VOCAB, generator=torch.Generator().manual_seed(2))
+    _, ref_grads = per_document_reference(ref, ids, LENGTHS, weights)
+    checkpointed = copy.deepcopy(model)
+    checkpointed.activation_checkpointing_enable()
+    checkpointed.zero_grad(set_to_none=True)
+    (checkpointed(input_ids=ids[None], position_ids=pos[None]).logits[0] * weights).sum().backward()
+    compare_gradients(checkpointed, ref_grads)
+
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    low(input_ids=ids[None], position_ids=pos[None]).logits.float().square().mean().backward()
+    sinks = low.model.layers[1].self_attn.sinks
+    assert sinks.dtype == torch.bfloat16 and sinks.grad is not None and sinks.grad.dtype == torch.bfloat16
+    assert all(torch.isfinite(p.grad).all() for p in low.parameters() if p.grad is not None)
+
+
+def test_example_script_smoke():
+    """examples/hf_packed_finetune.py runs (5 short steps: dense, warm-up, sparse)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "hf_packed_finetune.py"
+    spec = importlib.util.spec_from_file_location("hf_packed_finetune", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--steps", "5", "--tokens", "256", "--log-every", "2"])
