@@ -363,3 +363,14 @@ def test_example_script_smoke():
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     example.main(["--steps", "5", "--tokens", "256", "--log-every", "2"])
+
+
+def test_readme_snippet_runs():
+    """The README's "Hugging Face models" snippet runs as written."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("## Hugging Face models", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    torch.manual_seed(0)
+    exec(compile(code, "README.md (Hugging Face models)", "exec"), {})
