@@ -7,6 +7,20 @@ from torch import nn
 from ..norms import rms_norm_unweighted  # noqa: F401  (the layers' name for it)
 
 
+def is_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a DTensor: under FSDP2 (``fully_shard``) a parameter outside its unit's forward and backward
+    is this rank's shard, whose dtype is the stored one, not the one its unit all-gathers it in
+    (``MixedPrecisionPolicy.param_dtype``). Code that reads a parameter's dtype to predict the compute dtype
+    must not trust it then."""
+    return _DTensor is not None and isinstance(p, _DTensor)
+
+
+try:                                    # torch built without distributed support has no DTensor
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:                     # pragma: no cover
+    _DTensor = None
+
+
 class KeepFp32Params(nn.Module):
     """Parameters named in ``_fp32_params`` stay (at least) fp32 when the module is cast (docs/semantics.md, decision 11).
 
