@@ -33,6 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..layers.common import copy_full_, full_value
+
 __all__ = ["shard_model", "shard_unit", "fp32_parameters", "gathered", "is_sharded_model", "full_state_dict",
            "full_optimizer_state_dict", "load_full_state_dict", "load_full_optimizer_state_dict"]
 
@@ -160,14 +162,10 @@ def gathered(module: nn.Module):
             m.reshard()
 
 
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every DTensor gathered into its full tensor (detached; same names, shapes and
     dtypes as the model without FSDP). Collective: every rank calls it and gets the full dict."""
-    return {k: _full(v).detach() for k, v in model.state_dict().items()}
+    return {k: full_value(v).detach() for k, v in model.state_dict().items()}
 
 
 def full_optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
@@ -175,7 +173,7 @@ def full_optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
     into its full tensor: the dict the optimizer of the unsharded model holds. Collective, like
     :func:`full_state_dict`."""
     sd = optimizer.state_dict()
-    state = {k: {name: _full(v) for name, v in entry.items()} for k, entry in sd["state"].items()}
+    state = {k: {name: full_value(v) for name, v in entry.items()} for k, entry in sd["state"].items()}
     return {"state": state, "param_groups": sd["param_groups"]}
 
 
@@ -201,11 +199,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
         if tuple(state_dict[k].shape) != tuple(target.shape):
             raise ValueError(f"{k}: shape {tuple(state_dict[k].shape)}, the model's is {tuple(target.shape)}")
     for k, target in own.items():
-        local = _local_like(state_dict[k], target)
-        if isinstance(target, DTensor):
-            target.to_local().copy_(local.to_local())        # in place: FSDP2 keeps the shard's storage
-        else:
-            target.copy_(local)
+        copy_full_(target, state_dict[k])
 
 
 def load_full_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:

@@ -126,6 +126,19 @@ def _check_load_full_state(ref, opt_ref):
     for k, entry in opt_ref.state_dict()["state"].items():
         for name, v in entry.items():
             assert torch.equal(got_opt["state"][k][name], v), (k, name)
+    # A layer's Hugging Face state dict: exported gathered, loaded into the shards (here: the trained layer's
+    # values into a fresh sharded model's layer, both ways full tensors).
+    from dsv4attn.checkpoints import to_hf_state_dict
+    fresh = shard_model(_model())
+    for layer, trained in zip(fresh.attention_layers(), ref.attention_layers()):
+        hf = to_hf_state_dict(trained)
+        layer.load_hf_state_dict(hf)
+        got = to_hf_state_dict(layer)
+        assert got.keys() == hf.keys() and all(torch.equal(got[k], hf[k]) for k in hf)
+    # The debug value checks scan sharded parameters too (same decision on every rank).
+    import dsv4attn
+    with dsv4attn.checks.checks("values"):
+        assert torch.isfinite(_loss(fresh, 0, "sparse"))
 
 
 def _check_bf16_policy(rank):
