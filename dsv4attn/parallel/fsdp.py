@@ -38,9 +38,6 @@ from ..layers.common import copy_full_, full_value
 __all__ = ["shard_model", "shard_unit", "fp32_parameters", "gathered", "is_sharded_model", "full_state_dict",
            "full_optimizer_state_dict", "load_full_state_dict", "load_full_optimizer_state_dict"]
 
-_FULL_PRECISION = (torch.float32, torch.float64)
-
-
 def fp32_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     """{qualified name: parameter} of every parameter that a module of ``module`` names in ``_fp32_params``
     (:class:`dsv4attn.layers.common.KeepFp32Params`): the ones that stay fp32 (fp64) under any cast."""
@@ -87,6 +84,8 @@ def shard_unit(unit: nn.Module, mesh=None, *, mp_policy: MixedPrecisionPolicy | 
     """
     mesh = _as_mesh(mesh)
     policy = mp_policy or MixedPrecisionPolicy()
+    # Passed only when set, so that fully_shard's own default applies (root units keep their parameters).
+    extra = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
     modules = _unit_modules(unit)
     keep = {id(p) for m in modules for p in fp32_parameters(m).values()}   # this unit's fp32-required params
     own = [p for m in modules for p in m.parameters(recurse=False)]
@@ -95,7 +94,7 @@ def shard_unit(unit: nn.Module, mesh=None, *, mp_policy: MixedPrecisionPolicy | 
     casts = policy.param_dtype is not None and any(p.dtype != policy.param_dtype for p in kept)
     mixed = len({p.dtype for p in own}) > 1
     if not kept or not others or not (casts or mixed):
-        return fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        return fully_shard(unit, mesh=mesh, mp_policy=policy, **extra)
     if len({p.dtype for p in kept}) > 1:
         raise ValueError(f"the fp32-required parameters of {type(unit).__name__} have several dtypes "
                          f"{sorted(str(p.dtype) for p in kept)}; FSDP2 gathers one dtype per unit")
@@ -117,8 +116,8 @@ def shard_unit(unit: nn.Module, mesh=None, *, mp_policy: MixedPrecisionPolicy | 
                                 cast_forward_inputs=False)
     policies = {"other": policy, "fp32": full}
     group = [m for m in holders[grouped_kind] if m is not unit]
-    fully_shard(group, mesh=mesh, mp_policy=policies[grouped_kind], reshard_after_forward=reshard_after_forward)
-    return fully_shard(unit, mesh=mesh, mp_policy=policies[root_kind], reshard_after_forward=reshard_after_forward)
+    fully_shard(group, mesh=mesh, mp_policy=policies[grouped_kind], **extra)
+    return fully_shard(unit, mesh=mesh, mp_policy=policies[root_kind], **extra)
 
 
 def shard_model(model: nn.Module, mesh=None, *, mp_policy: MixedPrecisionPolicy | None = None, units=(),

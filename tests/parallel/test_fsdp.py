@@ -3,7 +3,9 @@
 - A decoder of HybridAttention layers (ratios 0, 4, 128) in float64, sharded by ``dsv4attn.parallel.fsdp.
   shard_model`` (each attention layer, each block, the root): three AdamW steps (dense, warm-up, sparse phases),
   rank r on batch r. Each step's loss, every gradient (gathered) and every parameter after the step equal one
-  process doing the same steps on both batches (gradients averaged over them, as data parallelism does).
+  process doing the same steps on both batches (gradients averaged over them, as data parallelism does). Twice:
+  all float64 (one unit per layer), and with the sinks and biases stored in fp32 (each layer split in two
+  units, the idle dense-phase indexer included).
 - Under a bf16 MixedPrecisionPolicy the forward sees the sinks and positional biases in fp32 and the other
   parameters in bf16 (forward pre-hooks record what each module holds when it runs); the sharded parameters
   stay fp32, a step trains. A model *stored* in bf16 (sinks and biases fp32 by the layers' cast rule) shards
@@ -32,14 +34,21 @@ CU = torch.tensor([0, 30, 161, 256], dtype=torch.int32)        # a document long
 MAX_SEQLEN = 131
 
 
-def _model(dtype=torch.float64):
+def _model(dtype=torch.float64, fp32_kept=False):
+    """The test decoder in ``dtype``; ``fp32_kept``: its sinks and positional biases stored in fp32 (a layer of
+    two dtypes: shard_model must split it; the ops take fp32 sinks and biases with fp64 activations)."""
     torch.manual_seed(0)
     model = DecoderLM(model_config("tiny", (0, 4, 128), indexer_loss_coeff=0.3))
     with torch.no_grad():                  # non-trivial fp32 parameters, so that their gradients matter
         for name, p in model.named_parameters():
             if name.endswith("sinks") or name.endswith("position_bias"):
                 p.normal_(0.0, 0.5)
-    return model.to(dtype).train()
+    model = model.to(dtype).train()
+    if fp32_kept:
+        from dsv4attn.parallel.fsdp import fp32_parameters
+        for p in fp32_parameters(model).values():
+            p.data = p.data.float()
+    return model
 
 
 def _batch(rank):
@@ -58,12 +67,15 @@ def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def _check_equals_one_process(world, rank):
+def _check_equals_one_process(world, rank, fp32_kept=False):
     from dsv4attn.parallel.fsdp import full_optimizer_state_dict, full_state_dict, shard_model
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
-    ref, sharded = _model(), _model()
+    ref, sharded = _model(fp32_kept=fp32_kept), _model(fp32_kept=fp32_kept)
     shard_model(sharded, units=sharded.blocks)
     assert all(isinstance(p, DTensor) for p in sharded.parameters())
+    # Two units per layer exactly when it stores two dtypes (the projections' group, the layer's fp32 unit).
+    assert all(isinstance(l.q_a_proj, FSDPModule) == fp32_kept for l in sharded.attention_layers())
     opt_ref, opt = _optimizer(ref), _optimizer(sharded)
     tol = dict(rtol=1e-10, atol=1e-12)
     for phase in ("dense", "warmup", "sparse"):
@@ -80,7 +92,7 @@ def _check_equals_one_process(world, rank):
         loss.backward()
         got_loss = loss.detach().clone()
         dist.all_reduce(got_loss)
-        where = f"{phase} rank {rank}"
+        where = f"{phase} rank {rank}{' fp32 kept' if fp32_kept else ''}"
         torch.testing.assert_close(got_loss / world, want_loss, **tol, msg=lambda m: f"{where} loss: {m}")
         want = dict(ref.named_parameters())
         for name, p in sharded.named_parameters():
@@ -164,7 +176,7 @@ def _check_bf16_policy(rank):
             m.register_forward_pre_hook(record(prefix))
     opt = _optimizer(model)
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
-    for phase in ("warmup", "sparse"):           # every module runs (the indexer too)
+    for phase in ("dense", "warmup", "sparse"):      # the idle indexer first (its unit still reduces), then all
         loss = _loss(model, rank, phase)
         assert torch.isfinite(loss)
         loss.backward()
@@ -202,6 +214,7 @@ def _worker(rank, world, init_file, result_dir):
                                 timeout=datetime.timedelta(seconds=120))
         torch.set_num_threads(1)
         started = time.monotonic()
+        _check_equals_one_process(world, rank, fp32_kept=True)
         ref, opt_ref = _check_equals_one_process(world, rank)
         _check_load_full_state(ref, opt_ref)
         _check_bf16_policy(rank)
