@@ -38,9 +38,11 @@ def name_tables(compress_ratio: int) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def to_hf_state_dict(layer) -> dict[str, torch.Tensor]:
-    """The layer's parameters under Hugging Face ``DeepseekV4Attention`` names."""
+    """The layer's parameters under Hugging Face ``DeepseekV4Attention`` names (full tensors: under FSDP2 each
+    shard is gathered, a collective every rank of the mesh calls)."""
+    from .layers.common import full_value
     to_hf, _ = name_tables(layer.compress_ratio)
-    return {to_hf[k]: v for k, v in layer.state_dict().items()}
+    return {to_hf[k]: full_value(v) for k, v in layer.state_dict().items()}
 
 
 LOADABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -104,9 +106,10 @@ def load_attention_state_dict(layer, state_dict: Mapping[str, torch.Tensor], str
     if parts:
         raise ValueError(f"state_dict does not fit HybridAttention(ratio={layer.compress_ratio}), nothing was "
                          f"loaded: " + "; ".join(parts))
+    from .layers.common import copy_full_          # on use: the layers import this module
     with torch.no_grad():
         for ext, value in state_dict.items():
             native = from_external.get(ext)
             if native is not None:
-                params[native].copy_(value)
+                copy_full_(params[native], value)         # an FSDP2 shard takes its slice of the full value
     return missing, unexpected

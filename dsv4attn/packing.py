@@ -64,9 +64,15 @@ class PackedBatch:
     # pack was built; the layers then take both from here and run no agreement of their own.
     cp_group: object = field(default=None, repr=False, compare=False)
     cp_partition: str | None = None
-    _frames: dict = field(default_factory=dict, repr=False, compare=False)    # halo -> RowFrame, built lazily
-    _layouts: dict = field(default_factory=dict, repr=False, compare=False)
-    _compared: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Caches, built lazily: halo -> RowFrame, ratio -> CompressedLayout, id -> (tensor, equal). Attributes, not
+        # dataclass fields: code that walks a dataclass's fields looking for tensors (FSDP2's hooks walk every
+        # module's arguments) must not follow the frames' references back to this pack (a cycle), and a
+        # ``dataclasses.replace`` of a pack (another group, say) starts with empty caches.
+        object.__setattr__(self, "_frames", {})
+        object.__setattr__(self, "_layouts", {})
+        object.__setattr__(self, "_compared", {})
 
     @property
     def num_docs(self) -> int:

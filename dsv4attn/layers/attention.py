@@ -12,7 +12,7 @@ from ..ops.index_sets import Concat, Explicit, Rows, VisibleCompressed, Window
 from ..packing import PackedBatch
 from ..parallel.setup import halo_rows, layer_frame
 from ..rope import apply_rope, layer_rope_frequencies
-from .common import AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm
+from .common import AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm, is_sharded
 from .compressor import Compressor
 from .indexer import Indexer
 
@@ -244,8 +244,10 @@ class HybridAttention(KeepFp32Params):
         hidden = self.config.hidden_size
         checks.check_tensor("hidden_states", x, shape=(None, hidden),
                             dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64))
-        weight_dtype = self.q_a_proj.weight.dtype
-        if x.dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type):
+        weight = self.q_a_proj.weight
+        weight_dtype = weight.dtype
+        # A weight sharded by FSDP2 is gathered (and cast) by its unit only when q_a_proj runs: nothing to compare.
+        if x.dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type) and not is_sharded(weight):
             raise ValueError(f"hidden_states has dtype {x.dtype} but the layer's parameters are {weight_dtype}; "
                              f"cast one of them or run under torch.autocast")
         if cu_seqlens is not None:

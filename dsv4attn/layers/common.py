@@ -7,6 +7,38 @@ from torch import nn
 from ..norms import rms_norm_unweighted  # noqa: F401  (the layers' name for it)
 
 
+def is_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a DTensor: under FSDP2 (``fully_shard``) a parameter outside its unit's forward and backward
+    is this rank's shard, whose dtype is the stored one, not the one its unit all-gathers it in
+    (``MixedPrecisionPolicy.param_dtype``). Code that reads a parameter's dtype to predict the compute dtype
+    must not trust it then."""
+    return _DTensor is not None and isinstance(p, _DTensor)
+
+
+def copy_full_(param: torch.Tensor, value: torch.Tensor) -> None:
+    """``param.copy_(value)`` for a ``value`` of the parameter's full shape (cast to its dtype and device), also
+    when ``param`` is an FSDP2 shard: every rank holds the full ``value`` and copies its own slice into its shard
+    in place (no communication). Call under ``torch.no_grad()``."""
+    if not is_sharded(param):
+        param.copy_(value)
+        return
+    from torch.distributed.tensor import distribute_tensor
+    local = distribute_tensor(value.to(device=param.device, dtype=param.dtype), param.device_mesh,
+                              param.placements, src_data_rank=None).to_local()
+    param.to_local().copy_(local)         # in place: FSDP2 gathers from the shard's own storage
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or the full tensor of an FSDP2 shard (an all-gather: every rank of its mesh calls it)."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+try:                                    # torch built without distributed support has no DTensor
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:                     # pragma: no cover
+    _DTensor = None
+
+
 class KeepFp32Params(nn.Module):
     """Parameters named in ``_fp32_params`` stay (at least) fp32 when the module is cast (docs/semantics.md, decision 11).
 

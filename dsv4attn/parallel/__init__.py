@@ -5,6 +5,9 @@ cp_partition=partition)`` (once per batch: the ranks agree on it there); ``y_loc
 phase=...)`` for every layer (or per call: ``layer(x_local, cu_seqlens=global_cu, max_seqlen=m, cp_group=group,
 cp_partition=partition)``); ``y = unshard(y_local, group, partition)``. Outputs and gradients equal
 the single-device run for either partition (``"contiguous"``, ``"head_tail"``).
+
+FSDP2 (data-parallel sharding) lives in :mod:`dsv4attn.parallel.fsdp`, imported on use (it imports
+``torch.distributed.fsdp``): ``shard_model``, the full-state gather and load.
 """
 from .comm import gather_rows, left_halo, shard, unshard, with_left_halos
 from .frame import RowFrame, Segment, owned_capacity, single_device_frame

@@ -76,9 +76,8 @@ def agreed_pack(cu_seqlens, total_rows: int, max_seqlen, device, cp_group, cp_pa
     where = (pack.device if pack is not None else torch.device(device) if device is not None
              else cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu"))
     _agree(group, pack, partition, rows, None, None, None, local_error, where)
-    # A fresh frame cache: frames hold this group's segments, never a single-device pack's.
-    return dataclasses.replace(pack, cp_group=group, cp_partition=partition, _frames={}, _layouts={},
-                               _compared={})
+    # A new pack starts with empty caches: frames hold this group's segments, never a single-device pack's.
+    return dataclasses.replace(pack, cp_group=group, cp_partition=partition)
 
 
 def _agree(group, pack, partition, rows, phase, compress_ratio, halo, local_error, device) -> None:

@@ -205,22 +205,25 @@ def _torch_bytes(obj) -> bytes:
 
 
 def save_checkpoint(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
-                    keep: int) -> Path:
+                    keep: int, *, weights: dict | None = None, optimizer_state: dict | None = None) -> Path:
     """Save ``checkpoints/step_<meta['step']>`` by the protocol of the module docstring, point ``latest`` at it,
     then remove the moved-aside copy, the older checkpoints beyond the newest ``keep`` and any crash leftovers.
+    ``weights`` / ``optimizer_state``: the full state dicts to write instead of ``model.state_dict()`` /
+    ``optimizer.state_dict()`` (an FSDP2 model's, gathered by :mod:`dsv4attn.parallel.fsdp` on every rank).
 
     Raises CheckpointError if a file reads back different from what was written or the file system fails (a full
     disk): ``latest`` then still names the last checkpoint saved completely."""
     root = Path(run_dir) / "checkpoints"
     final = root / step_name(meta["step"])
     try:
-        return _save(root, final, model, optimizer, meta, keep)
+        return _save(root, final, model.state_dict() if weights is None else weights,
+                     optimizer.state_dict() if optimizer_state is None else optimizer_state, meta, keep)
     except OSError as e:
         raise CheckpointError(f"saving {final} failed: {e}; {root / LATEST} names the last checkpoint saved "
                               f"completely") from None
 
 
-def _save(root: Path, final: Path, model, optimizer, meta: dict, keep: int) -> Path:
+def _save(root: Path, final: Path, weights: dict, optimizer_state: dict, meta: dict, keep: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     _restore_moved_aside(root)
     step = meta["step"]
@@ -228,8 +231,8 @@ def _save(root: Path, final: Path, model, optimizer, meta: dict, keep: int) -> P
     tmp = root / f".{final.name}.tmp-{tag}"
     tmp.mkdir()
     # safetensors refuses shared or non-contiguous storage: give it plain contiguous copies.
-    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    blobs = {"model.safetensors": save_safetensors(weights), "optimizer.pt": _torch_bytes(optimizer.state_dict()),
+    weights = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
+    blobs = {"model.safetensors": save_safetensors(weights), "optimizer.pt": _torch_bytes(optimizer_state),
              "meta.json": json.dumps({"format": FORMAT, **meta}, indent=1).encode("utf-8")}
     manifest = _manifest(step, blobs)
     for name, data in blobs.items():
@@ -536,9 +539,18 @@ def load_into(loaded: Loaded, model: torch.nn.Module, optimizer: torch.optim.Opt
     if missing or unexpected or shapes:
         raise CheckpointError(f"{model_file} does not fit the model: missing {missing}, unexpected {unexpected}, "
                               f"other shapes {shapes}")
-    model.load_state_dict(loaded.weights)
+    from ..layers.common import is_sharded
+    sharded = any(is_sharded(v) for v in own.values())
+    if sharded:             # FSDP2: every rank read the full files; each keeps its shards
+        from ..parallel.fsdp import load_full_optimizer_state_dict, load_full_state_dict
+        load_full_state_dict(model, loaded.weights)
+    else:
+        model.load_state_dict(loaded.weights)
     try:
-        optimizer.load_state_dict(loaded.optimizer_state)
+        if sharded:
+            load_full_optimizer_state_dict(optimizer, loaded.optimizer_state)
+        else:
+            optimizer.load_state_dict(loaded.optimizer_state)
     except (ValueError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"{opt_file} does not fit the optimizer: {e}") from None
 

@@ -51,18 +51,25 @@ class Checkpointer:
         self.cfg, self.out, self.is_main, self.end = cfg, out, is_main, end
         self.about, self.data, self.dp, self.last_saved = about, data, dp, last_saved
 
-    def maybe_save(self, done: int, model: torch.nn.Module, optimizer, tokens_seen: int) -> bool:
-        """Save after ``done`` steps if it is due; returns whether it saved."""
+    def maybe_save(self, done: int, model: torch.nn.Module, optimizer, tokens_seen: int, sharded: bool = False
+                   ) -> bool:
+        """Save after ``done`` steps if it is due; returns whether it saved. ``sharded`` (an FSDP2 model): every
+        rank gathers the full weights and optimizer state (collectives), then rank 0 writes the same files an
+        unsharded run writes."""
         cfg = self.cfg
         if not ((cfg.save_every and done % cfg.save_every == 0) or done == self.end):
             return False
+        full = {}
+        if sharded:
+            from ..parallel.fsdp import full_optimizer_state_dict, full_state_dict
+            full = dict(weights=full_state_dict(model), optimizer_state=full_optimizer_state_dict(optimizer))
         if self.is_main:
             meta = {"step": done, "phase": cfg.phase_of(done - 1),
                     "next_phase": cfg.phase_of(done) if done < cfg.steps else None,
                     "data": {**self.data, "next_batch": done * self.dp}, **self.about,
                     "rng": ckpt_io.rng_state(), "tokens_seen_this_session": tokens_seen,
                     "torch_version": torch.__version__}
-            ckpt_io.save_checkpoint(self.out, model, optimizer, meta, cfg.keep)
+            ckpt_io.save_checkpoint(self.out, model, optimizer, meta, cfg.keep, **full)
         self.last_saved = (done, self.out)
         return True
 

@@ -19,6 +19,7 @@ from contextlib import nullcontext
 import torch
 
 from ..layers import HybridAttention
+from ..layers.common import is_sharded
 from ..ops import indexer_kl, indexer_topk
 from ..ops.index_sets import Explicit, VisibleCompressed, chunk_rows
 from ..packing import pack_batch
@@ -110,8 +111,11 @@ def evaluate(model: DecoderLM, batches: list[Batch], phase: str, device: torch.d
                     for layer, x in captured:
                         if layer.indexer is not None:
                             x = x if cp_group is None else unshard(x, cp_group, cp_partition)
-                            for key, v in probe_indexer(layer, x, pack, phase).items():
-                                probe[key] += v
+                            # The probe reads the layer outside its forward: under FSDP2 gather it first
+                            # (collective: every rank probes the same layers).
+                            with _gathered(layer):
+                                for key, v in probe_indexer(layer, x, pack, phase).items():
+                                    probe[key] += v
     finally:
         model.train(was_training)
     loss_sum, correct = sum_over(sums, cp_group).tolist()
@@ -123,6 +127,13 @@ def evaluate(model: DecoderLM, batches: list[Batch], phase: str, device: torch.d
         "indexer_loss": probe["kl"] / rows if has_indexer and rows else None,
         "indexer_recall": probe["hits"] / probe["wanted"] if probe["wanted"] else None,
     }
+
+
+def _gathered(layer):
+    if not any(is_sharded(p) for p in layer.parameters()):
+        return nullcontext()
+    from ..parallel.fsdp import gathered
+    return gathered(layer)
 
 
 class Evaluator:

@@ -38,7 +38,7 @@ def train(cfg: TrainConfig) -> dict:
                disable=not s.is_main)
     say = bar.write if s.is_main else (lambda line: None)
     evaluator = Evaluator(s.model, s.eval_batches, cfg.eval_every, end, s.device, s.autocast, par,
-                          cfg.cp_partition, run, say, active=par.dp_rank == 0)
+                          cfg.cp_partition, run, say, active=par.dp_rank == 0 or s.sharded)
     checkpointer = Checkpointer(cfg, run.out, s.is_main, end, data=s.source.describe(), dp=par.dp,
                                 about={"run_config": cfg.to_dict(), "model_config": s.mcfg.to_dict(),
                                        "world_size": par.world},
@@ -76,7 +76,7 @@ def train(cfg: TrainConfig) -> dict:
             bar.set_postfix(loss=f"{m.loss:.3f}", phase=phase, tok_s=f"{meter.rate:.0f}", refresh=False)
             bar.update(1)
             evaluator.maybe_run(step + 1, phase)
-            checkpointer.maybe_save(step + 1, s.model, s.optimizer, meter.tokens)
+            checkpointer.maybe_save(step + 1, s.model, s.optimizer, meter.tokens, sharded=s.sharded)
         bar.close()
         where = "the end of the run"
         done = max(s.start, end)

@@ -37,6 +37,7 @@ class Setup:
     model: DecoderLM
     optimizer: torch.optim.Optimizer
     step_model: torch.nn.Module     # what runs the forward: the DDP wrapper of ``model``, or ``model``
+    sharded: bool                   # --fsdp over dp > 1 ranks: ``model`` is FSDP2-sharded (DTensor parameters)
     autocast: object                # bf16 autocast on CUDA, else None
     eval_batches: list              # held-out batches (replica 0's ranks only; empty elsewhere)
     loaded: object                  # the checkpoint resumed (checkpoint.Loaded), or None
@@ -68,6 +69,19 @@ def build_optimizer(model: DecoderLM, cfg: TrainConfig) -> torch.optim.AdamW:
         (decay if p.dim() >= 2 and ".indexer." not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def shard_lm(model: DecoderLM, par: distributed.Parallelism, device: torch.device) -> None:
+    """--fsdp: FSDP2 over the data-parallel ranks (cp == 1: the default group), one unit per attention layer,
+    per block and the root (:func:`dsv4attn.parallel.fsdp.shard_model`). On CUDA the units gather bf16 (the
+    sinks and positional biases fp32) and reduce fp32; on the CPU they gather fp32, as the DDP run computes."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ..parallel.fsdp import shard_model
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if device.type == "cuda" else None)
+    group = par.dp_group if par.dp_group is not None else dist.group.WORLD
+    shard_model(model, group, mp_policy=policy, units=model.blocks)
 
 
 def init_process_group(world: int, device: torch.device, timeout: float) -> bool:
@@ -102,15 +116,19 @@ def setup(cfg: TrainConfig) -> Setup:
     par = distributed.build(world, rank, cfg.cp, timeout=cfg.pg_timeout)
     torch.manual_seed(cfg.seed)
     model = DecoderLM(mcfg).to(device)
+    sharded = cfg.fsdp and par.dp > 1
+    if sharded:          # before the optimizer: it must hold the sharded (DTensor) parameters
+        shard_lm(model, par, device)
     optimizer = build_optimizer(model, cfg)
     start = restore(loaded, model, optimizer)
     step_model = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
-        process_group=par.dp_group) if par.dp > 1 else model
+        process_group=par.dp_group) if par.dp > 1 and not sharded else model
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
-    # Replica 0 evaluates (all its CP ranks: they split each batch); rank 0 logs.
+    # Replica 0 evaluates (all its CP ranks: they split each batch); under FSDP every rank (each forward gathers
+    # the parameters from all of them), on the same batches; rank 0 logs.
     eval_batches = [source.batch(cfg.seed, EVAL, i, cfg.capacity).padded_to(cfg.batch_rows)
-                    for i in range(cfg.eval_batches)] if par.dp_rank == 0 else []
+                    for i in range(cfg.eval_batches)] if par.dp_rank == 0 or sharded else []
 
     if rank == 0 and replace_run:                  # --overwrite: only now that everything has been checked
         remove_run(out)
@@ -120,8 +138,9 @@ def setup(cfg: TrainConfig) -> Setup:
                                    "data": source.describe(), "world_size": world, "data_parallel": par.dp,
                                    "device": str(device)})
     run.log({"kind": "start", "step": start, "device": str(device), "world_size": world, "cp": cfg.cp,
+             "fsdp": sharded,
              "resumed_from": str(loaded.path) if loaded else None, "resume_notes": loaded.notes if loaded else [],
              "dropped_records": run.dropped_records, "params": sum(p.numel() for p in model.parameters())})
     return Setup(cfg=cfg, mcfg=mcfg, device=device, par=par, own_group=own_group, source=source, model=model,
-                 optimizer=optimizer, step_model=step_model, autocast=autocast, eval_batches=eval_batches,
+                 optimizer=optimizer, step_model=step_model, sharded=sharded, autocast=autocast, eval_batches=eval_batches,
                  loaded=loaded, start=start, run=run)

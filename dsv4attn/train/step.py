@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..layers.common import is_sharded
 from . import distributed
 from .model import DecoderLM, lm_loss
 
@@ -68,6 +69,8 @@ def train_step(model: DecoderLM, optimizer, batch, phase: str, step: int, grad_c
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     else:
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else loss.new_zeros(())
+    if is_sharded(grad_norm):                    # FSDP2: the norm of the sharded gradients, still a DTensor
+        grad_norm = grad_norm.full_tensor()
     zero = loss.detach().new_zeros(())
     numbers = torch.stack([loss.detach(), zero if idx_loss is None else idx_loss.to(loss.dtype),
                            grad_norm.to(loss.dtype)])
