@@ -35,13 +35,13 @@ def test_unweighted_rms_norm_bf16_statistics_in_fp32():
 
 
 def test_unweighted_rms_norm_in_row_chunks_equals_one_chunk(monkeypatch):
-    from dsv4attn.norms import _UnweightedRMSNorm
+    from dsv4attn import norms
     torch.manual_seed(2)
     x = torch.randn(7, 3, 8, dtype=torch.float64, requires_grad=True)
     g = torch.randn_like(x)
     y = rms_norm_unweighted(x, 1e-6)
     (dx,) = torch.autograd.grad((y * g).sum(), x)
-    monkeypatch.setattr(_UnweightedRMSNorm, "CHUNK_ELEMENTS", 2 * 3 * 8)     # 2 rows per chunk, 4 chunks
+    monkeypatch.setattr(norms, "CHUNK_ELEMENTS", 2 * 3 * 8)     # 2 rows per chunk, 4 chunks
     y_c = rms_norm_unweighted(x, 1e-6)
     (dx_c,) = torch.autograd.grad((y_c * g).sum(), x)
     assert torch.equal(y, y_c) and torch.equal(dx, dx_c)

@@ -83,7 +83,11 @@ class _IndexerKL(torch.autograd.Function):
             d_dots = d_scores[:, None, :] * index_weights[s:e].to(cd)[..., None] * (dots > 0)
             d_q[s:e] = torch.einsum("chk,ckd->chd", d_dots, keys_i)
             d_keys = torch.einsum("chk,chd->ckd", d_dots, qi)
-            d_k.index_add_(0, cand[valid], d_keys[valid])
+            # Empty slots add an exact 0 to row 0 instead of being selected out: a boolean selection needs the
+            # number of valid slots on the host (a sync), which compiled graphs and CUDA graphs cannot have.
+            d_keys = d_keys.masked_fill(~valid[..., None], 0.0)
+            if d_k.shape[0]:                # an empty key table: every slot was empty, nothing to add
+                d_k.index_add_(0, cand.clamp(min=0).flatten(), d_keys.flatten(0, 1))
         return (d_q.to(index_q.dtype), d_k.to(index_k.dtype), d_w.to(index_weights.dtype),
                 None, None, None, None, None, None)
 
