@@ -15,10 +15,30 @@ more when given a prebuilt pack).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 import torch
 
 from . import checks
+
+V = TypeVar("V")
+
+
+def cached(store: dict, key, build: Callable[[], V]) -> V:
+    """``store[key]``, built by ``build()`` on first use and kept there -- except while ``torch.compile`` traces.
+
+    A miss inside a trace builds the value in the graph and stores nothing. Dynamo guards on what the trace read
+    from ``store`` and replays a store after the call, so a stored value would make the next call see the cache
+    in another state, fail that guard and recompile (once per layer for its RoPE table, once per reused pack).
+    Not storing keeps every cache as eager calls left it: a new pack (empty caches) runs the same graph. Inside one
+    trace the repeated builds are identical pure ops (AOT autograd's CSE merges them).
+    """
+    if key in store:
+        return store[key]
+    value = build()
+    if not torch.compiler.is_compiling():
+        store[key] = value
+    return value
 
 
 @dataclass(frozen=True)
@@ -83,10 +103,9 @@ class PackedBatch:
         return self.cu_seqlens.device
 
     def compressed(self, ratio: int) -> CompressedLayout:
-        """Layout of the ratio-``ratio`` compressed entries (built on first use, then cached)."""
-        if ratio not in self._layouts:
-            self._layouts[ratio] = _build_compressed_layout(self, ratio)
-        return self._layouts[ratio]
+        """Layout of the ratio-``ratio`` compressed entries (built on first use, then cached; see :func:`cached`
+        for ``torch.compile``)."""
+        return cached(self._layouts, ratio, lambda: _build_compressed_layout(self, ratio))
 
     def same_cu_seqlens(self, cu_seqlens: torch.Tensor) -> bool:
         """Whether ``cu_seqlens`` holds this pack's document boundaries. The pack's own tensor (``pack.cu_seqlens``,

@@ -9,7 +9,7 @@ from ..checkpoints import load_attention_state_dict
 from ..config import AttentionConfig, check_phase, check_ratio
 from ..ops import indexer_kl, indexer_topk, inverse_rope, qnorm_rope, sparse_attention
 from ..ops.index_sets import Concat, Explicit, Rows, VisibleCompressed, Window
-from ..packing import PackedBatch
+from ..packing import PackedBatch, cached
 from ..parallel.setup import halo_rows, layer_frame
 from ..rope import apply_rope, layer_rope_frequencies
 from .common import AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm, is_sharded
@@ -33,11 +33,20 @@ class HybridAttention(KeepFp32Params):
     it is None after a forward that raised, and after any forward of a layer that has no indexer loss.
     Capacity-padding rows (past ``cu_seqlens[-1]``) output 0 and get zero gradient.
 
+    ``torch.compile(layer, fullgraph=True)`` traces the whole forward and backward without a graph break, for every
+    ratio and phase (give it a prebuilt ``pack``). ``indexer_loss`` works the same way there: the loss is attached
+    inside the graph, and setting the attribute is a side effect that dynamo replays after the graph has run, with
+    the graph's detached loss as its value. Each phase is its own graph; a new pack with the same ``total_rows``,
+    document count and ``max_seqlen`` reuses it without a recompile (docs/packing.md, "Under torch.compile").
+
     Checks (:mod:`dsv4attn.checks`): arguments are checked for type, shape, dtype and device on every call; the
     batch metadata once per batch where the pack is built (inside the call when ``cu_seqlens`` is passed, in
     :func:`dsv4attn.pack_batch` when ``pack`` is); with a prebuilt pack and the default mode a forward reads no
     device value. ``dsv4attn.set_checks("values")`` adds NaN/Inf scans of the inputs, of every intermediate an op
-    receives and of the layer's parameters (naming the first non-finite one).
+    receives and of the layer's parameters (naming the first non-finite one). While ``torch.compile`` traces, the
+    checks that read a device value are skipped (the value scans; the metadata validation of a pack built inside
+    the call, which is why the pack should be built outside; comparing a ``cu_seqlens`` other than
+    ``pack.cu_seqlens`` with the pack, which then raises); the free checks run at trace time.
     """
 
     _fp32_params = ("sinks",)
@@ -60,6 +69,7 @@ class HybridAttention(KeepFp32Params):
                         if compress_ratio == 4 else None)
         self._inv_freq = layer_rope_frequencies(config, compress_ratio)   # float64, not a buffer: never cast
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}           # per-device copies (no H2D per call)
+        self._rope_table(self.sinks.device)
         self.indexer_loss: torch.Tensor | None = None
         self.reset_parameters()
 
@@ -193,10 +203,16 @@ class HybridAttention(KeepFp32Params):
         self.indexer_loss = None if loss is None else loss.detach()      # only once the whole forward succeeded
         return y
 
+    def _apply(self, fn, recurse=True):
+        # The table on the parameters' new device is made here, eagerly: a compiled forward finds it (a miss
+        # inside torch.compile builds it in the graph every call, see packing.cached).
+        super()._apply(fn, recurse)
+        self._rope_table(self.sinks.device)
+        return self
+
     def _rope_table(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq_on:
-            self._inv_freq_on[device] = self._inv_freq.to(device)
-        return self._inv_freq_on[device]
+        # Kept per device (no host-to-device copy per call); not stored while compiling (packing.cached).
+        return cached(self._inv_freq_on, device, lambda: self._inv_freq.to(device))
 
     def _queries(self, x, positions, inv_freq):
         """(qr, q): the normalised low-rank query (T, q_lora_rank) and the RoPE'd queries (T, H, head_dim)."""

@@ -133,7 +133,8 @@ class Stack(IndexSet):
 
 def _largest_bound(parts) -> int | None:
     bounds = [p.bound for p in parts]
-    return None if any(b is None for b in bounds) else max(bounds, default=0)
+    # max(bounds) without default=: dynamo cannot trace max's default keyword once a bound is symbolic.
+    return None if any(b is None for b in bounds) else (max(bounds) if bounds else 0)
 
 
 class _Masked(IndexSet):

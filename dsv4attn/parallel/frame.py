@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ops.index_sets import IndexSet, Rows, Stack, Window
-from ..packing import CompressedLayout, PackedBatch
+from ..packing import CompressedLayout, PackedBatch, cached
 from . import comm
 from . import partition as partition_
 
@@ -59,10 +59,8 @@ class RowFrame:
     def _global_rows(self, kind, spans):
         if len(spans) == 1:
             return slice(*spans[0])
-        if kind not in self._rows:
-            device = self.pack.row_doc.device
-            self._rows[kind] = torch.cat([torch.arange(a, b, device=device) for a, b in spans])
-        return self._rows[kind]
+        device = self.pack.row_doc.device
+        return cached(self._rows, kind, lambda: torch.cat([torch.arange(a, b, device=device) for a, b in spans]))
 
     def local_keys(self, base: IndexSet) -> IndexSet:
         """``base`` (an index set of global query rows -> global raw rows) for the local queries, addressing
@@ -87,10 +85,8 @@ class RowFrame:
     def owned_entries(self, ratio: int) -> tuple[CompressedLayout, torch.Tensor | None]:
         """(layout of the entries this call computes, in local key-row coordinates; global entry -> gathered
         row)."""
-        if ratio not in self._owned:
-            self._owned[ratio] = (_single_owned(self.pack, ratio) if self.group is None
-                                  else _cp_owned(self, ratio))
-        return self._owned[ratio]
+        return cached(self._owned, ratio, lambda: _single_owned(self.pack, ratio) if self.group is None
+                      else _cp_owned(self, ratio))
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.group is None else comm.gather_rows(t, self.group)

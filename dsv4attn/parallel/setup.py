@@ -7,7 +7,8 @@ ratio 4, 128 for ratio 128)) to build its raw window keys and the compressed gro
 rank holding the previous chunk, and their gradient goes back there.
 
 Two ways in: a pack built with ``cp_group`` (:func:`agreed_pack`: the ranks agree once per batch, and the pack
-caches one frame per distinct halo, :func:`pack_frame`), or the per-call path (:func:`context_parallel_frame`: the
+caches one frame per distinct halo, :func:`pack_frame`; not while ``torch.compile`` traces,
+:func:`dsv4attn.packing.cached`), or the per-call path (:func:`context_parallel_frame`: the
 layer builds or takes a group-less pack and the ranks agree on every call). :func:`layer_frame` picks one."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import checks
-from ..packing import PackedBatch, pack_batch
+from ..packing import PackedBatch, cached, pack_batch
 from . import agree, comm
 from . import partition as partition_
 from .frame import RowFrame, Segment, single_device_frame
@@ -143,16 +144,17 @@ def pack_frame(pack: PackedBatch, halo: int) -> RowFrame:
     the per-ratio ownership tables the frame caches) depend only on the pack and the halo, so every layer of a
     batch with the same halo shares them. A single-device pack has one frame (no halo)."""
     key = halo if pack.cp_group is not None else 0
-    if key not in pack._frames:
-        if pack.cp_group is None:
-            pack._frames[key] = single_device_frame(pack)
-        else:
-            world, rank = comm.world_and_rank(pack.cp_group)
-            per_rank = partition_.num_chunks(pack.cp_partition, world) // world
-            # Host-only and from agreed values: every rank raises it alike, before any collective.
-            check_rows_per_rank(pack.total_rows // world // per_rank, halo, world, pack.cp_partition)
-            pack._frames[key] = _row_frame(pack, pack.cp_group, pack.cp_partition, halo, world, rank)
-    return pack._frames[key]
+    return cached(pack._frames, key, lambda: _build_frame(pack, halo))
+
+
+def _build_frame(pack: PackedBatch, halo: int) -> RowFrame:
+    if pack.cp_group is None:
+        return single_device_frame(pack)
+    world, rank = comm.world_and_rank(pack.cp_group)
+    per_rank = partition_.num_chunks(pack.cp_partition, world) // world
+    # Host-only and from agreed values: every rank raises it alike, before any collective.
+    check_rows_per_rank(pack.total_rows // world // per_rank, halo, world, pack.cp_partition)
+    return _row_frame(pack, pack.cp_group, pack.cp_partition, halo, world, rank)
 
 
 def _row_frame(pack, group, partition, halo, world, rank) -> RowFrame:

@@ -45,7 +45,8 @@ Materialised (T, K) candidates (:class:`Explicit`: the sparse phase's top-k) run
 to index_q, index_k and index_weights only), so ``torch.compile(fullgraph=True)`` sees one opaque node per
 direction and CUDA graphs can capture them. Lazy index sets (the warm-up's every-visible-entry sets, up to
 ``max_seqlen // 4`` wide) keep an autograd Function that materialises them one chunk of query rows at a time, in
-both directions: a custom op would have to take (and save) the whole (T, K) tensor. Both paths launch the same
+both directions: a custom op would have to take (and save) the whole (T, K) tensor. Inside ``torch.compile`` they
+take the custom ops anyway, materialised whole (dynamo cannot trace the Function's launches). Both paths launch the same
 kernels through the same helpers, so they give the same bits. The kernels need a CUDA device, or the CPU
 interpreter (``TRITON_INTERPRET=1``).
 """
@@ -708,7 +709,9 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
     Returns:
         (T,) fp32 KL per row, 0 for rows with an empty S_t.
 
-    float64 inputs, and empty problems (T = 0 or K = 0), **fall back to the reference**.
+    float64 inputs, and empty problems (T = 0 or K = 0), **fall back to the reference**. Inside ``torch.compile``
+    a lazy index set (the warm-up teacher's every visible entry) is materialised whole and runs the registered
+    ops too: dynamo cannot trace the chunked path's launches, and a graph break would split the layer.
     """
     tensors = (index_q, index_k, index_weights, q, compressed_kv, outside_lse)
     if (any(t.dtype not in KERNEL_DTYPES for t in tensors) or index_q.shape[0] == 0 or candidates.width == 0):
@@ -716,6 +719,10 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
                                     scale, full=full)
     fwd_tiles, bwd_tiles = _tiles(config, FWD_CONFIG, FWD_KEYS), _tiles(bwd_config, BWD_CONFIG, BWD_KEYS)
     q, compressed_kv, outside_lse = q.detach(), compressed_kv.detach(), outside_lse.detach()
+    if torch.compiler.is_compiling() and not isinstance(candidates, Explicit):
+        # Dynamo cannot trace the lazy path's kernel launches (Triton's C helpers, the Gluon dispatch), so a
+        # compiled graph takes the registered op with the whole (T, K) int32 candidate tensor (4 bytes a slot).
+        candidates = Explicit(candidates.materialize())
     if isinstance(candidates, Explicit):       # the sparse phase's top-k
         idx = candidates.rows(0, candidates.total_rows) if candidates.offset else candidates.indices
         save_g = (candidates.width <= SAVE_G_MAX_WIDTH and torch.is_grad_enabled()

@@ -1,0 +1,163 @@
+"""Whole-layer ``torch.compile(fullgraph=True)``: every ratio and phase traces without a graph break and equals eager.
+
+CPU, float64, ``backend="aot_eager"`` (AOT autograd traces forward and backward; the ops are run, not re-generated):
+outputs, the gradients of x and of every parameter, and ``layer.indexer_loss`` equal the eager layer's to
+``rtol=1e-12`` (observed: bitwise equal). One compiled layer per ratio is shared by that ratio's tests: each phase
+is one graph (``phase`` is a host string the trace specialises on), and a new pack of the same geometry (T, number
+of documents, ``max_seqlen``) reuses it: its tensors are graph inputs, its host ints are equal and the caches the
+trace reads are as eager calls left them (:func:`dsv4attn.packing.cached`), so it costs 0 recompiles. A different
+document count changes the shape of ``cu_seqlens``: one recompile, with that size symbolic, then none.
+
+The CUDA path (Triton custom ops) cannot run here; its dispatch is traced instead, in float32 with the Triton
+backend forced: forward and backward must trace in one graph each, through the ops' fake kernels only.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import dsv4attn
+from layer_helpers import randomize_
+
+T, MAX_SEQLEN = 184, 130
+PACK_CU = (0, 5, 135, 175)          # documents 5, 130, 40, then 9 padding rows
+OTHER_CU = (0, 130, 130, 170)       # same T, N and max_seqlen: other boundaries, an empty document, 14 padding
+PHASES = ("dense", "warmup", "sparse")
+TOL = dict(rtol=1e-12, atol=1e-14)
+
+
+def _pack(cu, max_seqlen=MAX_SEQLEN):
+    return dsv4attn.pack_batch(torch.tensor(cu, dtype=torch.int32), T, max_seqlen=max_seqlen)
+
+
+class Compiled:
+    """One ratio's layer, its input, the fullgraph compile of it and the counter of the graphs it made."""
+
+    def __init__(self, ratio: int):
+        torch._dynamo.reset()               # graphs of other tests must not count against the recompile limit
+        torch.manual_seed(ratio)
+        self.layer = randomize_(dsv4attn.HybridAttention(dsv4attn.AttentionConfig.tiny(), ratio).double(), ratio)
+        self.x = torch.randn(T, self.layer.config.hidden_size, dtype=torch.float64)
+        self.grad_y = torch.randn(T, self.layer.config.hidden_size, dtype=torch.float64)
+        self.counter = CompileCounterWithBackend("aot_eager")
+        self.compiled = torch.compile(self.layer, backend=self.counter, fullgraph=True)
+
+    def run(self, fn, pack, phase):
+        """(y, dx, {parameter: grad}, indexer_loss) of one forward and backward of ``fn``."""
+        self.layer.zero_grad(set_to_none=True)
+        x = self.x.clone().requires_grad_(True)
+        y = fn(x, pack=pack, phase=phase)
+        y.backward(self.grad_y)
+        grads = {name: p.grad for name, p in self.layer.named_parameters()}
+        return y.detach(), x.grad, grads, self.layer.indexer_loss
+
+    def check(self, pack, phase):
+        """The compiled layer equals the eager one on ``pack`` in ``phase``."""
+        want = self.run(self.layer, pack, phase)
+        got = self.run(self.compiled, pack, phase)
+        torch.testing.assert_close(got[0], want[0], **TOL)
+        torch.testing.assert_close(got[1], want[1], **TOL)
+        assert got[2].keys() == want[2].keys()
+        for name, grad in want[2].items():
+            if grad is None:                # the indexer of a CSA layer in the dense phase outside training
+                assert got[2][name] is None, name
+            else:
+                torch.testing.assert_close(got[2][name], grad, **TOL, msg=lambda m: f"{name}: {m}")
+        if want[3] is None:
+            assert got[3] is None
+        else:
+            assert got[3] is not None and got[3].grad_fn is None     # detached, for logging
+            torch.testing.assert_close(got[3], want[3], **TOL)
+
+
+@pytest.fixture(scope="module", params=(0, 4, 128), ids=lambda r: f"ratio{r}")
+def compiled(request):
+    return Compiled(request.param)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_fullgraph_compile_equals_eager(compiled, phase):
+    """Compiles with fullgraph=True (any graph break would raise) and equals eager, gradients included."""
+    compiled.check(_pack(PACK_CU), phase)
+    if compiled.layer.compress_ratio == 4 and phase != "dense":
+        assert compiled.layer.indexer_loss > 0          # the KL is attached and logged under compile too
+
+
+def test_another_pack_of_the_same_capacity_reuses_the_graphs(compiled):
+    """Fresh packs of the same T, N and max_seqlen: correct, and 0 recompiles (one graph per phase in all)."""
+    for phase in PHASES:                               # a new pack object each call, as in training
+        compiled.check(_pack(PACK_CU), phase)          # (compiles the phase if the test above did not run)
+    assert compiled.counter.frame_count == len(PHASES)
+    for phase in PHASES:
+        compiled.check(_pack(OTHER_CU), phase)
+    assert compiled.counter.frame_count == len(PHASES)
+
+
+def test_another_document_count_recompiles_once():
+    """N changes the shape of cu_seqlens (and of the per-document tables): one recompile, after which that size is
+    symbolic and further document counts reuse the graph."""
+    c = Compiled(4)
+    c.check(_pack(PACK_CU), "sparse")
+    assert c.counter.frame_count == 1
+    c.check(_pack((0, 60, 184)), "sparse")                              # 2 documents, no padding
+    assert c.counter.frame_count == 2
+    c.check(_pack((0, 7, 8, 40, 44, 130, 131)), "sparse")                # 6 documents
+    assert c.counter.frame_count == 2
+
+
+# ------------------------------------------------------------------------------------- the CUDA (Triton) dispatch
+class _Traced(Exception):
+    """Raised once AOT autograd has partitioned the joint graph: the kernels themselves never run."""
+
+
+def _custom_ops(graph) -> set[str]:
+    return {str(n.target).split(".")[1] for n in graph.nodes if str(n.target).startswith("dsv4attn.")}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (the ops' CUDA path)")
+@pytest.mark.parametrize("phase", ("warmup", "sparse"))
+def test_triton_dispatch_traces_fullgraph_through_fake_kernels(phase):
+    """With the Triton backend forced (float32), the CSA layer's forward and backward trace as one graph each, every
+    op an opaque registered custom op (dense and HCA layers use a subset of these ops)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import default_partition
+
+    torch._dynamo.reset()
+    layer = randomize_(dsv4attn.HybridAttention(dsv4attn.AttentionConfig.tiny(), 4))
+    x = torch.randn(T, layer.config.hidden_size, requires_grad=True)
+    graphs = {}
+
+    def partition(joint, inputs, **kwargs):
+        graphs["forward"], graphs["backward"] = default_partition(joint, inputs, **kwargs)
+        raise _Traced
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=lambda g, _: g, partition_fn=partition)
+
+    pack = _pack(PACK_CU)
+    dsv4attn.set_backend("triton")
+    try:
+        with pytest.raises(Exception) as caught:
+            torch.compile(layer, backend=backend, fullgraph=True)(x, pack=pack, phase=phase)
+    finally:
+        dsv4attn.set_backend(None)
+        torch._dynamo.reset()
+    assert "_Traced" in repr(caught.value) or isinstance(caught.value, _Traced), caught.value
+    assert _custom_ops(graphs["forward"].graph) == {"qnorm_rope", "rope_rotate", "compress_pool", "indexer_topk_ranges",
+                                                    "indexer_kl", "sparse_attention"}
+    assert _custom_ops(graphs["backward"].graph) == {"qnorm_rope_backward", "rope_rotate", "compress_pool_backward",
+                                                     "indexer_kl_backward", "sparse_attention_backward"}
+
+
+def test_every_custom_op_has_a_fake_kernel():
+    """What lets torch.compile trace the ops (and CUDA graphs capture them) without running them."""
+    from torch._library.simple_registry import singleton
+
+    import dsv4attn.ops  # noqa: F401  (registers the ops that exist in this install)
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("dsv4attn::")]
+    assert "dsv4attn::sparse_attention" in names
+    missing = [n for n in names if singleton.find(n).fake_impl.kernel is None]
+    assert not missing, missing
