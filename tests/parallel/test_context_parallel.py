@@ -14,16 +14,15 @@ import datetime
 import json
 import os
 import tempfile
-import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import dsv4attn
 from dsv4attn.parallel import gather_rows, left_halo, segments, shard, unshard, with_left_halos
+from tests.spawned_ranks import run_ranks
 
 # Starts 0 1 4 8 13 13 99 399 408 425; 555 real rows, 5 padding rows -> 560 = 2 x 280 = 4 x 140.
 LENGTHS = (1, 3, 4, 5, 0, 86, 300, 9, 17, 130)
@@ -250,23 +249,7 @@ def _worker(rank, world, init_file, result_dir):
 @pytest.mark.parametrize("world", [2, 4], ids=["cp2", "cp4"])
 def test_context_parallel_equals_single_process(world):
     with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        try:
-            context = mp.spawn(_worker, args=(world, init_file, tmp), nprocs=world, join=False)
-            deadline = time.monotonic() + 420          # a hang must not stall CI: kill the ranks and fail
-            while not context.join(timeout=1):
-                if time.monotonic() > deadline:
-                    for p in context.processes:
-                        if p.is_alive():
-                            p.kill()
-                    pytest.fail("the spawned ranks did not finish within 420 s (killed)")
-        finally:
-            reports = {}
-            for rank in range(world):
-                path = os.path.join(tmp, f"rank{rank}.txt")
-                reports[rank] = open(path).read() if os.path.exists(path) else "no report"
-        for rank, text in reports.items():
-            assert text.startswith("ok"), f"rank {rank}:\n{text}"
+        reports = run_ranks(_worker, world, tmp, deadline_s=420)
         agreed = [json.load(open(os.path.join(tmp, f"rank{rank}.disagree.json"))) for rank in range(world)]
         for case in agreed[0]:
             # The same message on every rank, except the "local" case's failing rank (it raises its own error).

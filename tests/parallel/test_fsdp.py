@@ -22,12 +22,11 @@ import tempfile
 import time
 import traceback
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dsv4attn.train.model import DecoderLM, lm_loss, model_config
+from tests.spawned_ranks import run_ranks
 
 T = 256
 CU = torch.tensor([0, 30, 161, 256], dtype=torch.int32)        # a document long enough for an HCA entry
@@ -231,17 +230,4 @@ def _worker(rank, world, init_file, result_dir):
 def test_fsdp2_per_layer_equals_one_process_and_keeps_fp32_params():
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            context = mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world, join=False)
-            deadline = time.monotonic() + 240            # a hang must not stall CI: kill the ranks and fail
-            while not context.join(timeout=1):
-                if time.monotonic() > deadline:
-                    for p in context.processes:
-                        if p.is_alive():
-                            p.kill()
-                    pytest.fail("the spawned ranks did not finish within 240 s (killed)")
-        finally:
-            reports = {r: open(os.path.join(tmp, f"rank{r}.txt")).read()
-                       if os.path.exists(os.path.join(tmp, f"rank{r}.txt")) else "no report" for r in range(world)}
-        for rank, text in reports.items():
-            assert text.startswith("ok"), f"rank {rank}:\n{text}"
+        run_ranks(_worker, world, tmp, deadline_s=240)

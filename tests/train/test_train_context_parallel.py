@@ -24,7 +24,6 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dsv4attn.layers import HybridAttention
 from dsv4attn.train import TrainConfig, distributed
@@ -33,6 +32,7 @@ from dsv4attn.train.evaluate import evaluate
 from dsv4attn.train.loop import train
 from dsv4attn.train.model import DecoderLM, largest_halo, model_config
 from dsv4attn.train.step import loss_and_grads
+from tests.spawned_ranks import run_ranks
 
 # capacity -> rows for --cp 2: chunks of 128 rows = the HCA halo (2 chunks contiguous, 4 head-tail)
 CAPACITY = {"contiguous": 255, "head_tail": 511}
@@ -141,17 +141,6 @@ def _worker(rank, world, init_file, result_dir):
         raise
 
 
-def _join_or_kill(context, deadline_s):
-    """Wait for every spawned process; past ``deadline_s`` kill them all and fail (a hang must not stall CI)."""
-    deadline = time.monotonic() + deadline_s
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"the spawned ranks did not finish within {deadline_s} s (killed)")
-
-
 def _records(out, kind):
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
@@ -159,14 +148,7 @@ def _records(out, kind):
 def test_cp2_equals_the_single_process_step_eval_and_run(tmp_path):
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            context = mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world, join=False)
-            _join_or_kill(context, deadline_s=420)
-        finally:
-            reports = {r: open(os.path.join(tmp, f"rank{r}.txt")).read()
-                       if os.path.exists(os.path.join(tmp, f"rank{r}.txt")) else "no report" for r in range(world)}
-        for rank, text in reports.items():
-            assert text.startswith("ok"), f"rank {rank}:\n{text}"
+        run_ranks(_worker, world, tmp, deadline_s=420)
         for name in ("cp1", "cp2", "cp1_head_tail", "cp2_head_tail"):
             os.rename(os.path.join(tmp, name), tmp_path / name)
     cp2 = tmp_path / "cp2"

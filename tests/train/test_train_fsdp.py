@@ -12,17 +12,16 @@ import datetime
 import json
 import os
 import tempfile
-import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from dsv4attn.train import TrainConfig
 from dsv4attn.train.loop import train
+from tests.spawned_ranks import run_ranks
 
 RUN = dict(steps=4, dense_steps=1, warmup_steps=2, capacity=192, eval_every=2, eval_batches=1, plot=False)
 
@@ -52,20 +51,7 @@ def _records(out, kind):
 def test_fsdp_equals_ddp_and_writes_the_same_checkpoints(tmp_path):
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            context = mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world, join=False)
-            deadline = time.monotonic() + 300            # a hang must not stall CI: kill the ranks and fail
-            while not context.join(timeout=1):
-                if time.monotonic() > deadline:
-                    for p in context.processes:
-                        if p.is_alive():
-                            p.kill()
-                    pytest.fail("the spawned ranks did not finish within 300 s (killed)")
-        finally:
-            reports = {r: open(os.path.join(tmp, f"rank{r}.txt")).read()
-                       if os.path.exists(os.path.join(tmp, f"rank{r}.txt")) else "no report" for r in range(world)}
-        for rank, text in reports.items():
-            assert text.startswith("ok"), f"rank {rank}:\n{text}"
+        run_ranks(_worker, world, tmp, deadline_s=300)
         for name in ("fsdp", "ddp"):
             os.rename(os.path.join(tmp, name), tmp_path / name)
     fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
