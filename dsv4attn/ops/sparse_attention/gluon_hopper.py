@@ -158,6 +158,12 @@ if IMPORTED:
         l_i = gl.zeros([BLOCK_H_C], gl.float32, layout=row_layout)
         acc = gl.zeros([BLOCK_H_C, HALF], gl.float32, layout=o_layout)
         s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
+        # The slot indices of this consumer's next block are loaded one block ahead: their global-load latency then
+        # passes during the softmax and the hand-over instead of between the scores and the softmax, the chain that
+        # sets the pace (BENCHMARKS.md, tenth session).
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        n = W * BLOCK_N + cols
+        idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
         for b in range(W - 1, nb - 1, 2):          # b = -1: consumer 0's block 0 has no block before it
             c = b + 1
             c_stage = c % STAGES
@@ -181,9 +187,9 @@ if IMPORTED:
                 mbarrier.wait(full.index(c_stage), (c // STAGES) & 1)
                 fence_async_shared()
                 s = warpgroup_mma(q_smem, ring.index(c_stage + z).permute((1, 0)), s_zero, use_acc=False)
-            n = c * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
             s = gl.where((idx >= 0)[None, :], s * qk_scale_log2, float("-inf"))
+            n = (c + 2) * BLOCK_N + cols
+            idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
             alpha, row_sum, m_i = _pp_publish(s, m_i, c, p_buf, stats, pready, pfree)
             l_i = l_i * alpha + row_sum
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
