@@ -37,16 +37,16 @@ def gluon_kernels():
 
     bf, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
     fwd, bwd, kl_cfg = attn.FWD_CONFIG, attn_bwd.BWD_CONFIG, kl.CONFIG
-    # The query descriptor of the TMA producer, typed as the runtime types the one launch_orders makes.
+    # The query descriptor of the score kernel's TMA producer, typed as the runtime types the one launch_orders makes.
     q = torch.empty(scores.BLOCK_T, scores.HEADS * scores.HEAD_DIM, dtype=torch.bfloat16)
     layout = gluon_common.gl.NVMMASharedLayout.get_default_for([scores.BLOCK_T, scores.HEAD_DIM],
                                                                gluon_common.gl.bfloat16)
     q_desc = mangle_type(gluon_common.TensorDescriptor.from_tensor(q, [scores.BLOCK_T, scores.HEAD_DIM], layout))
-    score_sig = dict(Q=bf, Q_DESC=bf, K=bf, W_=f32, FIRST=i64, VISIBLE=i64, TABLE=i64, ORDERS=i32, rows_c="i32",
+    score_sig = dict(Q_DESC=q_desc, K=bf, W_=f32, FIRST=i64, VISIBLE=i64, TABLE=i64, ORDERS=i32, rows_c="i32",
                      width="i32", shift="i32")
-    # The two producers of the score kernel; the table lookup is compiled in one of them.
-    score_consts = {tma: dict(HAS_TABLE=not tma, STAGES=scores.CONFIG["STAGES"], num_warps=4,
-                              REGS=scores.DEFAULT_REGS[tma], TMA=tma) for tma in (True, False)}
+    # The score kernel with and without the layout's lowering table.
+    score_consts = {table: dict(HAS_TABLE=table, STAGES=scores.CONFIG["STAGES"], num_warps=4,
+                                REGS=tuple(scores.CONFIG["REGS"])) for table in (False, True)}
     return [
         ("attn_fwd", attn._sparse_attn_fwd_gluon,
          dict(Q=bf, KV=bf, IDX=i32, SINK=f32, OUT=bf, LSE=f32, H="i32", K="i32", qk_scale_log2="fp32"),
@@ -58,8 +58,8 @@ def gluon_kernels():
          dict(Q=bf, DO=bf, KV=bf, IDX=i32, DENOM2=f32, DELTA=f32, DQ=bf, DKV=f32, H="i32", K="i32",
               qk_scale_log2="fp32", scale="fp32"),
          dict(D=512, BLOCK_N=attn_bwd.BLOCK_N, CHUNK=bwd["CHUNK"], num_warps=4, REGS=tuple(bwd["REGS"]))),
-        ("indexer_scores_tma", scores._indexer_orders_gluon, dict(score_sig, Q_DESC=q_desc), score_consts[True]),
-        ("indexer_scores_cpasync", scores._indexer_orders_gluon, score_sig, score_consts[False]),
+        ("indexer_scores", scores._indexer_orders_gluon, score_sig, score_consts[False]),
+        ("indexer_scores_table", scores._indexer_orders_gluon, score_sig, score_consts[True]),
         ("kl_bwd", kl._indexer_kl_bwd_gluon,
          dict(QI=bf, KI=bf, W_=f32, IDX=i32, NEND=i32, G=f32, GRAD=f32, DQI=bf, DKI=f32, DW=f32, K="i32"),
          dict(BLOCK_N=kl_cfg["BLOCK_N"], STAGES=kl_cfg["STAGES"], SPLIT=True, num_warps=4,
@@ -79,7 +79,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=constexprs["num_warps"]))
 
 
-KERNEL_NAMES = ["attn_fwd", "teacher_mass", "attn_bwd", "indexer_scores_tma", "indexer_scores_cpasync", "kl_bwd"]
+KERNEL_NAMES = ["attn_fwd", "teacher_mass", "attn_bwd", "indexer_scores", "indexer_scores_table", "kl_bwd"]
 
 
 def _worker():

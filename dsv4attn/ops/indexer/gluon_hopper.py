@@ -9,9 +9,8 @@ in increasing order) for every ``j < visible[t]``; other columns are not written
 Layout: one program per (64 query rows, 256 layout entries), the grid of the Triton kernel (entries counted from
 the block's first row's first entry). Before the split the program gathers its 256 key rows (cp.async), then:
 
-- producer: streams the 64 heads' query tiles (64 rows x 128, a box of the (rows, 64 * 128) query matrix) through a
-  ring of STAGES shared-memory stages, one TMA copy per tile from one warp (``CONFIG["TMA"]``; rows past the end
-  read as zeros), or cp.async from a warpgroup;
+- producer (one warp): streams the 64 heads' query tiles (64 rows x 128, a box of the (rows, 64 * 128) query
+  matrix) through a ring of STAGES shared-memory stages, one TMA copy per tile (rows past the end read as zeros);
 - consumer W (W = 0, 1) owns entries [128 W, 128 W + 128): for every head, s = Q_h K_W^T (wgmma, M = 64 rows,
   N = 128 entries, K = 128), then acc += w[:, h] * relu(s) (fp32); both consumers read each query stage, which is
   released when both are done (count 2). Each consumer loads its rows' weight of head h from global memory before
@@ -24,8 +23,8 @@ from e0 below the block's largest ``first + visible``, gaps between documents in
 defined there, as the layouts' lowering tables are (every entry below the capacity).
 
 Why: the Triton kernel loads each head's query tile synchronously between its dots, so its tensor cores wait on
-every load; here a producer keeps query tiles in flight (TMA by default, measured faster than cp.async) and the
-weights come from global memory (faster than staging them in shared memory; BENCHMARKS.md, "Indexer scores").
+every load; here a producer keeps query tiles in flight (TMA copies, measured faster than a warpgroup of cp.async:
+BENCHMARKS.md, seventh session) and the weights come from global memory (faster than staging them in shared memory; BENCHMARKS.md, "Indexer scores").
 Not done: issuing head h + 1's product before head h's ReLU-weight-sum (a second 64-register
 accumulator): ptxas spills it at the consumers' 216-240 registers, and the launch (384 threads) allows no more.
 """
@@ -33,21 +32,18 @@ from __future__ import annotations
 
 import torch
 
-from ..gluon_common import (IMPORTED, TensorDescriptor, half_precision, sm90, async_copy, async_load, fence_async_shared, gl, gluon,
-                            mbarrier, mbarriers, thread_barrier, tma_load, warpgroup_mma)
+from ..gluon_common import (IMPORTED, TensorDescriptor, async_copy, async_load, fence_async_shared, gl, gluon,
+                            half_precision, mbarrier, mbarriers, sm90, thread_barrier, tma_load, warpgroup_mma)
 
 BLOCK_T, BLOCK_E, HEADS, HEAD_DIM = 64, 256, 64, 128
-# STAGES: query tiles in flight (16 KiB each); TMA: the producer is one warp issuing one TMA copy per query tile
-# (else four warps of cp.async); REGS: registers per thread of the worker consumer and the producer, None: the
-# producer's DEFAULT_REGS, (216, 24) with the TMA producer, (216, 40) with cp.async. More stages than 4 measured
-# no faster.
-CONFIG = dict(STAGES=4, TMA=True, REGS=None)
-DEFAULT_REGS = {True: (216, 24), False: (216, 40)}          # key: CONFIG["TMA"]
+# STAGES: query tiles in flight (16 KiB each; more than 4 measured no faster); REGS: registers per thread of the
+# worker consumer and the producer warp.
+CONFIG = dict(STAGES=4, REGS=(216, 24))
 
 
 def check(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, str]:
     """(usable, reason) of :func:`launch_orders`: Gluon imported, SM90, bf16/fp16 q and k of one dtype, the Flash
-    indexer geometry (64 heads of 128), 16-byte aligned bases (TMA descriptors and 16-byte cp.async copies)."""
+    indexer geometry (64 heads of 128), 16-byte aligned bases (the TMA descriptor of q, 16-byte cp.async copies of k)."""
     for usable, reason in (sm90(q.device), half_precision(q, k)):
         if not usable:
             return usable, reason
@@ -85,27 +81,9 @@ if IMPORTED:
             async_load(k_smem.slice(r, 16, dim=0), K + key_rows[:, None] + cols[None, :], mask=ok[:, None])
 
     @gluon.jit
-    def _score_producer(Q, rows_c, tb, n_heads, ring, full, empty, STAGES: gl.constexpr):
-        # The query tiles of the block's heads (n_heads: 64, or 0 for a block no row sees) through the ring.
-        io: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        cols = gl.arange(0, HEAD_DIM_C, layout=gl.SliceLayout(0, io))
-        for h in range(n_heads):
-            stage = h % STAGES
-            mbarrier.wait(empty.index(stage), ((h // STAGES) + 1) & 1, pred=h >= STAGES)
-            # 16 rows at a time, addresses formed here: a (64, 128) pointer tile kept across the loop would not fit
-            # the producer's registers (it spilled).
-            for r in gl.static_range(0, BLOCK_T_C, 16):
-                rows = tb * BLOCK_T_C + r + gl.arange(0, 16, layout=gl.SliceLayout(1, io))
-                rows = gl.where(rows < rows_c, rows, 0).to(gl.int64)
-                src = Q + rows[:, None] * (HEADS_C * HEAD_DIM_C) + h * HEAD_DIM_C + cols[None, :]
-                async_load(ring.index(stage).slice(r, 16, dim=0), src)
-            async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
-            async_copy.commit_group()
-        async_copy.wait_group(0)
-
-    @gluon.jit
-    def _score_producer_tma(q_desc, tb, n_heads, ring, full, empty, STAGES: gl.constexpr):
-        # The same stream with one TMA copy per (64 rows x 128) query tile; rows past the end read as zeros.
+    def _score_producer(q_desc, tb, n_heads, ring, full, empty, STAGES: gl.constexpr):
+        # The query tiles of the block's heads (n_heads: 64, or 0 for a block no row sees) through the ring, one TMA
+        # copy per (64 rows x 128) tile; rows past the end read as zeros.
         for h in range(n_heads):
             stage = h % STAGES
             mbarrier.wait(empty.index(stage), ((h // STAGES) + 1) & 1, pred=h >= STAGES)
@@ -148,13 +126,13 @@ if IMPORTED:
         gl.store(ORDERS + rows[:, None] * width + j, order, mask=valid)
 
     @gluon.jit
-    def _indexer_orders_gluon(Q, Q_DESC, K, W_, FIRST, VISIBLE, TABLE, ORDERS, rows_c, width, shift,
+    def _indexer_orders_gluon(Q_DESC, K, W_, FIRST, VISIBLE, TABLE, ORDERS, rows_c, width, shift,
                               HAS_TABLE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-                              REGS: gl.constexpr, TMA: gl.constexpr):
+                              REGS: gl.constexpr):
         # Entry blocks vary fastest (as in the Triton kernel): neighbouring programs share query rows in L2.
         eb = gl.program_id(0)
         tb = gl.program_id(1)
-        dtype: gl.constexpr = Q.dtype.element_ty
+        dtype: gl.constexpr = K.dtype.element_ty
         # How many entries from e0 on some row of the block sees.
         rows = tb * BLOCK_T_C + gl.arange(0, BLOCK_T_C, layout=gl.BlockedLayout([1], [32], [4], [0]))
         row_ok = rows < rows_c
@@ -168,43 +146,33 @@ if IMPORTED:
                                           gl.NVMMASharedLayout.get_default_for([2 * HALF_E, HEAD_DIM_C], dtype))
         ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T_C, HEAD_DIM_C],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_T_C, HEAD_DIM_C], dtype))
-        full = mbarriers(STAGES, 1 if TMA else 128)
+        full = mbarriers(STAGES, 1)          # one expect-tx arrival per TMA copy
         empty = mbarriers(STAGES, 2)
         # The keys by this partition, before the split (the producer's 40 registers spilled on these addresses).
         _gather_keys(K, TABLE, shift, e0, needed, k_all.index(0), HAS_TABLE)
         async_copy.commit_group()
         async_copy.wait_group(0)
         thread_barrier()
-        if TMA:
-            gl.warp_specialize([
-                (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full,
-                                   empty, gl.constexpr(0), STAGES)),
-                (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full,
-                                   empty, gl.constexpr(1), STAGES)),
-                (_score_producer_tma, (Q_DESC, tb, n_heads, ring, full, empty, STAGES))],
-                [4, 1], [REGS[0], REGS[1]])
-        else:
-            gl.warp_specialize([
-                (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full,
-                                   empty, gl.constexpr(0), STAGES)),
-                (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full,
-                                   empty, gl.constexpr(1), STAGES)),
-                (_score_producer, (Q, rows_c, tb, n_heads, ring, full, empty, STAGES))],
-                [4, 4], [REGS[0], REGS[1]])
+        gl.warp_specialize([
+            (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full, empty,
+                               gl.constexpr(0), STAGES)),
+            (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, width, tb, e0, n_heads, k_all, ring, full, empty,
+                               gl.constexpr(1), STAGES)),
+            (_score_producer, (Q_DESC, tb, n_heads, ring, full, empty, STAGES))],
+            [4, 1], [REGS[0], REGS[1]])
 
 
 def launch_orders(q, k, w, first, visible, table, shift: int, width: int, orders, config=None) -> None:
     """Fills ``orders`` (rows, width) int32 where ``j < visible`` (module docstring); arguments as
     ``triton._score_orders`` takes them (contiguous, w fp32)."""
+    unknown = sorted(set(config or {}) - set(CONFIG))
+    if unknown:
+        raise ValueError(f"Gluon indexer score config: unknown keys {unknown}; expected some of {sorted(CONFIG)}")
     cfg = dict(CONFIG, **(config or {}))
     rows_c = q.shape[0]
     grid = ((2 * width + BLOCK_T + BLOCK_E - 1) // BLOCK_E, (rows_c + BLOCK_T - 1) // BLOCK_T)
-    tma = bool(cfg["TMA"])
-    regs = tuple(cfg["REGS"] or DEFAULT_REGS[tma])
-    q_desc = q
-    if tma:
-        layout = gl.NVMMASharedLayout.get_default_for([BLOCK_T, HEAD_DIM], _GL_DTYPES[q.dtype])
-        q_desc = TensorDescriptor.from_tensor(q.view(rows_c, HEADS * HEAD_DIM), [BLOCK_T, HEAD_DIM], layout)
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_T, HEAD_DIM], _GL_DTYPES[q.dtype])
+    q_desc = TensorDescriptor.from_tensor(q.view(rows_c, HEADS * HEAD_DIM), [BLOCK_T, HEAD_DIM], layout)
     _indexer_orders_gluon[grid](
-        q, q_desc, k, w, first, visible, table if table is not None else first, orders, rows_c, width, shift,
-        HAS_TABLE=table is not None, STAGES=cfg["STAGES"], num_warps=4, REGS=regs, TMA=tma)
+        q_desc, k, w, first, visible, table if table is not None else first, orders, rows_c, width, shift,
+        HAS_TABLE=table is not None, STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
