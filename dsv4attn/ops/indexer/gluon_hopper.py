@@ -23,8 +23,9 @@ from e0 below the block's largest ``first + visible``, gaps between documents in
 defined there, as the layouts' lowering tables are (every entry below the capacity).
 
 Why: the Triton kernel loads each head's query tile synchronously between its dots, so its tensor cores wait on
-every load; here a producer keeps query tiles in flight (TMA copies, measured faster than a warpgroup of cp.async:
-BENCHMARKS.md, seventh session) and the weights come from global memory (faster than staging them in shared memory; BENCHMARKS.md, "Indexer scores").
+every load; here a producer keeps query tiles in flight (TMA copies, measured faster than a warpgroup of
+cp.async: BENCHMARKS.md, seventh session) and the weights come from global memory (faster than staging them in
+shared memory; BENCHMARKS.md, "Indexer scores").
 Not done: issuing head h + 1's product before head h's ReLU-weight-sum (a second 64-register
 accumulator): ptxas spills it at the consumers' 216-240 registers, and the launch (384 threads) allows no more.
 """
@@ -43,7 +44,8 @@ CONFIG = dict(STAGES=4, REGS=(216, 24))
 
 def check(q: torch.Tensor, k: torch.Tensor) -> tuple[bool, str]:
     """(usable, reason) of :func:`launch_orders`: Gluon imported, SM90, bf16/fp16 q and k of one dtype, the Flash
-    indexer geometry (64 heads of 128), 16-byte aligned bases (the TMA descriptor of q, 16-byte cp.async copies of k)."""
+    indexer geometry (64 heads of 128), 16-byte aligned bases (the TMA descriptor of q, 16-byte cp.async copies of
+    k)."""
     for usable, reason in (sm90(q.device), half_precision(q, k)):
         if not usable:
             return usable, reason
@@ -148,7 +150,7 @@ if IMPORTED:
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_T_C, HEAD_DIM_C], dtype))
         full = mbarriers(STAGES, 1)          # one expect-tx arrival per TMA copy
         empty = mbarriers(STAGES, 2)
-        # The keys by this partition, before the split (the producer's 40 registers spilled on these addresses).
+        # The keys by this partition, before the split (a 40-register cp.async producer warpgroup spilled on these addresses).
         _gather_keys(K, TABLE, shift, e0, needed, k_all.index(0), HAS_TABLE)
         async_copy.commit_group()
         async_copy.wait_group(0)

@@ -23,8 +23,9 @@ Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_
   shared memory (``pready[b % 2]``). For every block both consumers rescale and add P V for their columns (P read
   by the wgmma from shared memory) and release P's buffer (``pfree``) and the ring stage (``empty``). A consumer
   issues P V of the other's block and Q K^T of its own next block back to back (asynchronous wgmma), releasing the
-  first's stage as soon as it is done. The output goes out through the consumer's (free by then) half of q's shared
-  memory, for whole-sector stores.
+  first's stage as soon as it is done. Each consumer loads its next block's slot indices (the validity mask) one
+  block ahead. The output goes out through the consumer's (free by then) half of q's shared memory, for
+  whole-sector stores.
 
 :func:`teacher_mass` reuses the producer and ring for the indexer KL's teacher mass (two independent consumers).
 
