@@ -106,7 +106,8 @@ def _check_case(ratio, phase, tp_mesh, cp_mesh, worst):
 
     runs = {"tp2": None, "tp2xcp2": cp_group}
     for label, cp in runs.items():
-        layer, _ = _layer(ratio, tp_group=tp_mesh)
+        # Both forms of the group: a ProcessGroup alone, the 1-D mesh with CP.
+        layer, _ = _layer(ratio, tp_group=tp_group if cp is None else tp_mesh)
         where = f"{label} ratio {ratio} {phase} rank {dist.get_rank()}"
         if cp is None:
             got = _run(layer, x, g, phase, cu_seqlens=cu, max_seqlen=max_len)
