@@ -39,10 +39,22 @@ def name_tables(compress_ratio: int) -> tuple[dict[str, str], dict[str, str]]:
 
 def to_hf_state_dict(layer) -> dict[str, torch.Tensor]:
     """The layer's parameters under Hugging Face ``DeepseekV4Attention`` names (full tensors: under FSDP2 each
-    shard is gathered, a collective every rank of the mesh calls)."""
+    shard is gathered, a collective every rank of the mesh calls; under tensor parallelism each sharded parameter
+    is all-gathered over the TP group, one collective per sharded parameter that every rank of the group calls)."""
     from .layers.common import full_value
     to_hf, _ = name_tables(layer.compress_ratio)
-    return {to_hf[k]: full_value(v) for k, v in layer.state_dict().items()}
+    return {to_hf[k]: _tp_full(layer, k, full_value(v)) for k, v in layer.state_dict().items()}
+
+
+def _tp_full(layer, name: str, value: torch.Tensor) -> torch.Tensor:
+    dim = _tp_dim(layer, name)
+    return value if dim is None else layer.tp.gather(value, dim)
+
+
+def _tp_dim(layer, name: str):
+    """The dim along which a tensor-parallel layer holds a slice of ``name`` (native), None if it holds it whole."""
+    tp = getattr(layer, "tp", None)
+    return None if tp is None or tp.world == 1 else layer.tp_sharded.get(name)
 
 
 LOADABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -56,7 +68,8 @@ def load_attention_state_dict(layer, state_dict: Mapping[str, torch.Tensor], str
     ValueError that names them; a known key whose value is not a tensor, has another shape than its parameter, or
     is not a floating-point tensor with values (fp16 / bf16 / fp32 / fp64; not quantised fp8 or integer, not on
     the meta device) always raises, naming every such key and what was expected. Values are copied into the
-    existing parameters, so fp32 parameters stay fp32 whatever the checkpoint dtype.
+    existing parameters, so fp32 parameters stay fp32 whatever the checkpoint dtype. A tensor-parallel layer takes
+    full tensors and copies its rank's slice of the sharded ones (no communication).
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of parameter names to tensors, got {type(state_dict).__name__}")
@@ -80,7 +93,8 @@ def load_attention_state_dict(layer, state_dict: Mapping[str, torch.Tensor], str
         native = from_external.get(ext)
         if native is None:
             continue
-        want = tuple(params[native].shape)
+        dim = _tp_dim(layer, native)                  # tensor parallelism: the full tensor's shape is expected
+        want = tuple(params[native].shape) if dim is None else layer.tp.full_shape(params[native].shape, dim)
         if not isinstance(value, torch.Tensor):
             value_errors.append(f"{ext}: expected a torch.Tensor of shape {want}, got {type(value).__name__}")
         elif tuple(value.shape) != want:
@@ -111,5 +125,6 @@ def load_attention_state_dict(layer, state_dict: Mapping[str, torch.Tensor], str
         for ext, value in state_dict.items():
             native = from_external.get(ext)
             if native is not None:
-                copy_full_(params[native], value)         # an FSDP2 shard takes its slice of the full value
+                dim = _tp_dim(layer, native)              # a tensor-parallel rank takes its slice
+                copy_full_(params[native], value if dim is None else layer.tp.shard(value, dim))
     return missing, unexpected

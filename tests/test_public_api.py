@@ -1,4 +1,4 @@
-"""The public surface listed in README.md ("Use a layer", "Context parallelism") exists with the documented signatures (extend, never rename)."""
+"""The public surface listed in README.md ("Use a layer", "Context parallelism", "Tensor parallelism") exists with the documented signatures (extend, never rename)."""
 from __future__ import annotations
 
 import inspect
@@ -26,6 +26,9 @@ def test_layer_signature():
     assert callable(dsv4attn.HybridAttention.load_hf_state_dict)
     layer = dsv4attn.HybridAttention(dsv4attn.AttentionConfig.tiny(), 4)
     assert layer.indexer_loss is None
+    # README "Tensor parallelism": a keyword of the constructor, default None (no TP).
+    init = inspect.signature(dsv4attn.HybridAttention.__init__).parameters
+    assert init["tp_group"].kind is inspect.Parameter.KEYWORD_ONLY and init["tp_group"].default is None
 
 
 def test_pack_batch_signature():

@@ -11,6 +11,7 @@ from ..ops import indexer_kl, indexer_topk, inverse_rope, qnorm_rope, sparse_att
 from ..ops.index_sets import Concat, Explicit, Rows, VisibleCompressed, Window
 from ..packing import PackedBatch, cached
 from ..parallel.setup import halo_rows, layer_frame
+from ..parallel.tensor import TensorParallel
 from ..rope import apply_rope, layer_rope_frequencies
 from .common import AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm, is_sharded
 from .compressor import Compressor
@@ -33,6 +34,15 @@ class HybridAttention(KeepFp32Params):
     it is None after a forward that raised, and after any forward of a layer that has no indexer loss.
     Capacity-padding rows (past ``cu_seqlens[-1]``) output 0 and get zero gradient.
 
+    Tensor parallelism (``tp_group``: a ProcessGroup or 1-D DeviceMesh of W ranks; docs/tensor_parallel.md): the
+    layer holds the H / W query heads of its rank (``q_b_proj`` rows, ``sinks``) and the output-projection groups
+    made of them (``o_a_proj`` groups, ``o_b_proj`` columns); the KV head, compressors, norms, ``q_a_proj`` and the
+    indexer are replicated. ``x`` is the same on every rank of the group and so is the output (one all-reduce of
+    (rows, hidden) after ``o_b_proj``); replicated parameters get the same, full gradient on every rank; the
+    indexer runs whole on every rank (identical top-k) and its KL teacher sums every rank's heads.
+    ``indexer_loss`` is the same on every rank of the group. ``state_dict()`` holds this rank's shards;
+    ``load_hf_state_dict`` takes full tensors and ``dsv4attn.checkpoints.to_hf_state_dict`` returns them.
+
     ``torch.compile(layer, fullgraph=True)`` traces the whole forward and backward without a graph break, for every
     ratio and phase (give it a prebuilt ``pack``). ``indexer_loss`` works the same way there: the loss is attached
     inside the graph, and setting the attribute is a side effect that dynamo replays after the graph has run, with
@@ -50,12 +60,18 @@ class HybridAttention(KeepFp32Params):
     """
 
     _fp32_params = ("sinks",)
+    # Parameters split over tensor-parallel ranks, and along which dim (the rest are replicated).
+    tp_sharded = {"q_b_proj.weight": 0, "sinks": 0, "o_a_proj.weight": 0, "o_b_proj.weight": 1}
 
-    def __init__(self, config: AttentionConfig, compress_ratio: int):
+    def __init__(self, config: AttentionConfig, compress_ratio: int, *, tp_group=None):
         super().__init__()
         self.config = config
         self.compress_ratio = check_ratio(compress_ratio)
+        self.tp = TensorParallel(tp_group)
         c, H, D = config, config.num_attention_heads, config.head_dim
+        # Checked before any parameter exists: heads, and the output groups made of them, split evenly.
+        self.local_heads = self.tp.split(H, "num_attention_heads")
+        self.local_groups = self.tp.split(c.o_groups, "o_groups")
         self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
         self.q_b_proj = nn.Linear(c.q_lora_rank, H * D, bias=False)
@@ -72,6 +88,18 @@ class HybridAttention(KeepFp32Params):
         self._rope_table(self.sinks.device)
         self.indexer_loss: torch.Tensor | None = None
         self.reset_parameters()
+        self._keep_own_shards()
+
+    def _keep_own_shards(self) -> None:
+        """Under tensor parallelism, cut the full parameters (initialised as on one rank with the same RNG
+        state) down to this rank's shards."""
+        if self.tp.world == 1:
+            return
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for name, dim in self.tp_sharded.items():
+                params[name].data = self.tp.shard(params[name].data, dim).clone()
+        self.o_a_proj.groups = self.local_groups
 
     def reset_parameters(self) -> None:
         """Megatron's init: projections and positional biases N(0, initializer_range), norms 1, sinks 0."""
@@ -151,20 +179,22 @@ class HybridAttention(KeepFp32Params):
         return halo_rows(self.config, self.compress_ratio)
 
     def _forward_frame(self, x, x_keys, frame, phase):
-        c, T, H, D = self.config, x.shape[0], self.config.num_attention_heads, self.config.head_dim
+        c, T, D, tp = self.config, x.shape[0], self.config.head_dim, self.tp
         pack, inv_freq = frame.pack, self._rope_table(x.device)
         pos_q, pos_k = pack.row_position[frame.query_rows()], pack.row_position[frame.key_rows()]
         n_keys = x_keys.shape[0]
 
         qr, q = self._queries(x, pos_q, inv_freq)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x_keys)), pos_k, inv_freq)   # raw keys incl. the halo
+        # Replicated activations that this rank's heads consume enter through tp.copy: the backward sums the
+        # ranks' partial gradients, so every replicated parameter before them gets the full gradient everywhere.
+        kv = tp.copy(apply_rope(self.kv_norm(self.kv_proj(x_keys)), pos_k, inv_freq))   # raw keys incl. the halo
 
         # Index sets in key coordinates: raw key rows first, then the gathered compressed rows.
         window = frame.local_keys(Window(pack, c.sliding_window))
         keys, index_set, compressed = kv, window, None
         if self.compress_ratio:
             owned, lowering = frame.owned_entries(self.compress_ratio)
-            compressed = frame.gather(self.compressor(x_keys, owned, inv_freq))
+            compressed = frame.gather(tp.copy(self.compressor(x_keys, owned, inv_freq)))
             keys = torch.cat([kv, compressed.to(kv.dtype)], dim=0)
             visible = frame.local_compressed(VisibleCompressed(pack.compressed(self.compress_ratio),
                                                                pack.total_rows), lowering,
@@ -198,8 +228,9 @@ class HybridAttention(KeepFp32Params):
         if loss is not None:
             out = AttachLoss.apply(out, loss)
         out = inverse_rope(out, pos_q, inv_freq)   # out of place: never a view of `out` (docs/semantics.md, invariant 9.1)
-        grouped = self.o_a_proj(out.reshape(T, c.o_groups, H * D // c.o_groups))
-        y = self.o_b_proj(grouped.reshape(T, c.o_groups * c.o_lora_rank))
+        G = self.local_groups                      # this rank's heads make exactly these groups
+        grouped = self.o_a_proj(out.reshape(T, G, self.local_heads * D // G))
+        y = tp.reduce(self.o_b_proj(grouped.reshape(T, G * c.o_lora_rank)))   # partial sums -> the full output
         self.indexer_loss = None if loss is None else loss.detach()      # only once the whole forward succeeded
         return y
 
@@ -218,7 +249,7 @@ class HybridAttention(KeepFp32Params):
         """(qr, q): the normalised low-rank query (T, q_lora_rank) and the RoPE'd queries (T, H, head_dim)."""
         c = self.config
         qr = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(qr).view(x.shape[0], c.num_attention_heads, c.head_dim)
+        q = self.q_b_proj(self.tp.copy(qr)).view(x.shape[0], self.local_heads, c.head_dim)
         return qr, qnorm_rope(q, positions, inv_freq, c.rms_norm_eps)   # per-head RMSNorm, then RoPE (docs/semantics.md, "Query path")
 
     @torch.no_grad()
@@ -237,6 +268,9 @@ class HybridAttention(KeepFp32Params):
         if self.indexer is None:
             raise ValueError(f"indexer_inputs needs a ratio-4 layer, this one has compress_ratio "
                              f"{self.compress_ratio}")
+        if self.tp.world > 1:
+            raise ValueError("indexer_inputs needs a layer without tensor parallelism (q and outside_lse would "
+                             "hold this rank's heads only)")
         x, inv_freq, pos = hidden_states, self._rope_table(hidden_states.device), pack.row_position
         layout = pack.compressed(4)
         qr, q = self._queries(x, pos, inv_freq)
@@ -252,8 +286,10 @@ class HybridAttention(KeepFp32Params):
         detached (docs/semantics.md, invariant 9.9); ``candidates`` is the top-k (sparse teacher, with the attention's ``full_lse``) or every
         visible entry (warm-up: the window + sink mass is computed here)."""
         outside_lse = None if full_lse is not None else self._outside_lse(q, kv, window)
+        # Under tensor parallelism q holds this rank's heads: head_sum adds the other ranks' teacher mass.
         kl = indexer_kl(index_q, index_k, index_w, q.detach(), compressed.detach(), candidates, outside_lse,
-                        self.config.softmax_scale, full_lse=full_lse)
+                        self.config.softmax_scale, full_lse=full_lse,
+                        head_sum=None if self.tp.world == 1 else self.tp.sum_)
         return self.config.indexer_loss_coeff * kl.sum() / pack.num_real_rows.clamp(min=1).to(kl.dtype)
 
     def _check_input(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:

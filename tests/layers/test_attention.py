@@ -246,9 +246,10 @@ def test_phases_build_their_own_graph(monkeypatch):
     seen = []
     real = attention_module.indexer_kl
 
-    def spy(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, full_lse=None):
+    def spy(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, full_lse=None, head_sum=None):
         seen.append(candidates)
         assert (full_lse is not None) == isinstance(candidates, dsv4attn.ops.Explicit)   # sparse: attention's L
+        assert head_sum is None                       # one process: the teacher already sums every head
         return real(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, full_lse=full_lse)
 
     monkeypatch.setattr(attention_module, "indexer_kl", spy)

@@ -11,7 +11,7 @@ from .reference import FLT_MIN, indexer_kl_naive, indexer_kl_reference
 def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
                compressed_kv: torch.Tensor, candidates: torch.Tensor | IndexSet,
                outside_lse: torch.Tensor | None = None, softmax_scale: float | None = None, *,
-               full_lse: torch.Tensor | None = None) -> torch.Tensor:
+               full_lse: torch.Tensor | None = None, head_sum=None) -> torch.Tensor:
     """Per-row KL(teacher || student) of the indexer (see ``reference.py`` for the formula).
 
     Args:
@@ -28,6 +28,12 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
             candidates (the sparse phase) this is its ``logaddexp(lse, sink)``, and the kernel then forms the
             teacher logits once instead of twice. It includes the candidates' mass, so it must be finite wherever
             S_t has a valid entry (-inf there makes the reference NaN; the kernel does not check it).
+        head_sum: None, or a function applied in place to each row chunk's (rows, C) teacher mass
+            ``sum_{h in q} exp(s_h(j) - L_h)`` before it is normalised; under tensor parallelism ``q`` holds this
+            rank's heads and ``head_sum`` all-reduces the mass over the group, so the teacher sums over every head
+            (docs/tensor_parallel.md). It is called once per chunk in the forward and again in the backward, the
+            same number of times on every rank. Given, the PyTorch reference runs on every device (the fused
+            kernels form the mass inside one launch).
     Returns:
         (T,) fp32 (fp64 for fp64 inputs) KL per row; 0 for rows with an empty S_t (incl. padding rows).
         The layer loss is ``coeff * kl.sum() / number_of_real_rows``.
@@ -62,10 +68,11 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
     cand = within(as_index_set(candidates), index_k.shape[0])    # no kernel ever sees a row >= Nc (negative rows
                                                                   # are empty slots in all of them)
     with backend.exact_math(index_q.device):
-        if backend.choose("indexer_kl", index_q.device) == "triton":
+        if head_sum is None and backend.choose("indexer_kl", index_q.device) == "triton":
             return backend.kernel("indexer_kl")(index_q, index_k, index_weights, q, compressed_kv, lse, cand, scale,
                                                 full=full)
-        return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, lse, cand, scale, full=full)
+        return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, lse, cand, scale, full=full,
+                                    head_sum=head_sum)
 
 
 try:  # registers the Triton kernels with the backend (used on CUDA); CPU-only installs run the reference

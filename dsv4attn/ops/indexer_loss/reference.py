@@ -26,8 +26,10 @@ from ..indexer.reference import index_scores
 FLT_MIN = torch.finfo(torch.float32).tiny
 
 
-def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand, scale, full=False):
-    """Student log-probabilities, normalised teacher and what the backward needs, for one chunk of rows."""
+def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand, scale, full=False, head_sum=None):
+    """Student log-probabilities, normalised teacher and what the backward needs, for one chunk of rows.
+    ``head_sum``: applied to the (rows, C) mass of the heads in ``q`` before it is normalised (the sum over the
+    other tensor-parallel ranks' heads)."""
     cd = torch.promote_types(index_q.dtype, torch.float32)
     valid = cand >= 0
     keys_i = gather_rows(index_k, cand).to(cd)
@@ -44,6 +46,8 @@ def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand,
         full_lse = torch.logaddexp(outside_lse.to(cd), torch.logsumexp(logits, dim=-1))
     probs = torch.where(valid[:, None, :], torch.exp(logits - full_lse[..., None]), torch.zeros_like(logits))
     mass = probs.sum(dim=1)                                               # (c, C) summed over heads
+    if head_sum is not None:
+        mass = head_sum(mass)
     target = mass / mass.sum(dim=-1, keepdim=True).clamp(min=FLT_MIN)
     kl = (torch.xlogy(target, target) - target * log_q).sum(dim=-1)
     return kl, target, log_q, valid, keys_i
@@ -52,16 +56,17 @@ def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand,
 class _IndexerKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: IndexSet,
-                scale: float, full: bool):
+                scale: float, full: bool, head_sum=None):
         T = index_q.shape[0]
         cd = torch.promote_types(index_q.dtype, torch.float32)
         kl = torch.zeros(T, dtype=cd, device=index_q.device)
         per_row = candidates.width * (index_q.shape[1] + q.shape[1] + q.shape[2])
         for s, e in chunk_rows(T, per_row, device=index_q.device):
             kl[s:e] = _chunk(index_q[s:e], index_k, index_weights[s:e], q[s:e], compressed_kv,
-                             outside_lse[s:e], candidates.rows(s, e), scale, full)[0]
+                             outside_lse[s:e], candidates.rows(s, e), scale, full, head_sum)[0]
         ctx.save_for_backward(index_q, index_k, index_weights, q, compressed_kv, outside_lse)
         ctx.candidates, ctx.scale, ctx.per_row, ctx.full = candidates, scale, per_row, full
+        ctx.head_sum = head_sum
         return kl
 
     @staticmethod
@@ -74,7 +79,8 @@ class _IndexerKL(torch.autograd.Function):
         for s, e in chunk_rows(index_q.shape[0], ctx.per_row, device=index_q.device):
             cand = ctx.candidates.rows(s, e)
             _, target, log_q, valid, keys_i = _chunk(index_q[s:e], index_k, index_weights[s:e], q[s:e],
-                                                     compressed_kv, outside_lse[s:e], cand, ctx.scale, ctx.full)
+                                                     compressed_kv, outside_lse[s:e], cand, ctx.scale, ctx.full,
+                                                     ctx.head_sum)
             student = torch.where(valid, log_q.exp(), torch.zeros_like(log_q))
             d_scores = grad_kl[s:e, None].to(cd) * (student * target.sum(-1, keepdim=True) - target)
             qi = index_q[s:e].to(cd)
@@ -89,14 +95,15 @@ class _IndexerKL(torch.autograd.Function):
             if d_k.shape[0]:                # an empty key table: every slot was empty, nothing to add
                 d_k.index_add_(0, cand.clamp(min=0).flatten(), d_keys.flatten(0, 1))
         return (d_q.to(index_q.dtype), d_k.to(index_k.dtype), d_w.to(index_weights.dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: IndexSet,
-                         softmax_scale: float, full: bool = False) -> torch.Tensor:
-    """``full``: ``outside_lse`` holds each head's full denominator L_h itself (window + sink + S_t)."""
+                         softmax_scale: float, full: bool = False, head_sum=None) -> torch.Tensor:
+    """``full``: ``outside_lse`` holds each head's full denominator L_h itself (window + sink + S_t).
+    ``head_sum``: see :func:`dsv4attn.ops.indexer_kl` (called once per row chunk forward, again in the backward)."""
     return _IndexerKL.apply(index_q, index_k, index_weights, q.detach(), compressed_kv.detach(),
-                            outside_lse.detach(), candidates, softmax_scale, bool(full))
+                            outside_lse.detach(), candidates, softmax_scale, bool(full), head_sum)
 
 
 def indexer_kl_naive(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: torch.Tensor,
