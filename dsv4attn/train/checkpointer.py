@@ -30,7 +30,7 @@ def resume_point(cfg: TrainConfig, world: int) -> ckpt_io.Loaded | None:
     saved_tp = meta["run_config"].get("tp", 1)
     saved_tp = saved_tp if isinstance(saved_tp, int) and not isinstance(saved_tp, bool) and saved_tp >= 1 else 1
     replica = cfg.cp * cfg.tp
-    if saved_world != world and (saved_tp == cfg.tp or saved_world * cfg.tp != world * saved_tp):
+    if saved_world * cfg.tp != world * saved_tp:    # --cp must be equal (above): then this compares replicas
         shown = (f"checkpoint {saved_world}, now {world}" if saved_tp == cfg.tp else
                  f"checkpoint {saved_world} (--tp {saved_tp}: {saved_world // (cfg.cp * saved_tp)} data-parallel "
                  f"replicas), now {world} (--tp {cfg.tp}: {world // replica} data-parallel replicas; the replica "

@@ -288,6 +288,19 @@ def test_bad_tp_values_are_refused_before_anything_runs(tmp_path, monkeypatch, c
     assert ("--cp 1 x --tp 2 = 2 must divide the number of processes, got 3 (WORLD_SIZE)"
             in capsys.readouterr().err)
     assert not dist.is_initialized() and tree_digest(out) == {}
+    # Resuming at another --tp keeps the data-parallel replica count (world / (cp x tp)), which decides the batches.
+    from types import SimpleNamespace
+
+    from dsv4attn.train import checkpointer
+    saved = SimpleNamespace(meta={"run_config": TrainConfig(**RUN, tp=2).to_dict(), "world_size": 2}, path="ck")
+    monkeypatch.setattr(checkpointer.ckpt_io, "load_checkpoint", lambda path: saved)
+    assert checkpointer.resume_point(TrainConfig(**RUN, resume="ck"), world=1) is saved
+    assert checkpointer.resume_point(TrainConfig(**RUN, tp=2, resume="ck"), world=2) is saved
+    for tp, world, message in ((1, 2, r"checkpoint 2 \(--tp 2: 1 data-parallel replicas\), now 2 \(--tp 1: 2 "
+                                      r"data-parallel replicas; the replica count must stay\)"),
+                               (2, 4, r"checkpoint 2, now 4")):
+        with pytest.raises(ValueError, match="world size: " + message):
+            checkpointer.resume_point(TrainConfig(**RUN, tp=tp, resume="ck"), world=world)
     TrainConfig(tp=4, model="small").validate()             # 8 heads, 4 output groups
     with pytest.raises(ValueError, match=r"o_groups \(4\) is not a multiple of 8; this model allows --tp 1, 2, 4"):
         TrainConfig(tp=8, model="small").validate()
