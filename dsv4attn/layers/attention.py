@@ -264,22 +264,24 @@ class HybridAttention(KeepFp32Params):
         """What the indexer and its teacher see for ``hidden_states`` (T, hidden) of a single-device ``pack``
         (ratio-4 layers; for evaluation and analysis, no gradients). Keys: ``q`` (T, H, D) RoPE'd queries,
         ``compressed`` (capacity, D) compressed KV, ``outside_lse`` (T, H) window + sink mass, ``index_q``,
-        ``index_k``, ``index_weights`` (the indexer's scoring inputs) and ``layout`` (the ratio-4 layout)."""
+        ``index_k``, ``index_weights`` (the indexer's scoring inputs) and ``layout`` (the ratio-4 layout).
+
+        Under tensor parallelism every rank of the group calls it with the same rows (it all-gathers ``q`` and
+        ``outside_lse`` over the group) and gets every head."""
         if self.indexer is None:
             raise ValueError(f"indexer_inputs needs a ratio-4 layer, this one has compress_ratio "
                              f"{self.compress_ratio}")
-        if self.tp.world > 1:
-            raise ValueError("indexer_inputs needs a layer without tensor parallelism (q and outside_lse would "
-                             "hold this rank's heads only)")
         x, inv_freq, pos = hidden_states, self._rope_table(hidden_states.device), pack.row_position
         layout = pack.compressed(4)
         qr, q = self._queries(x, pos, inv_freq)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), pos, inv_freq)
         compressed = self.compressor(x, layout, inv_freq).to(q.dtype)
         index_q, index_k, index_w = self.indexer(x, qr, pos, x, layout, inv_freq)
-        return dict(q=q, compressed=compressed, outside_lse=self._outside_lse(q, kv, Window(pack,
-                    self.config.sliding_window)), index_q=index_q, index_k=index_k, index_weights=index_w,
-                    layout=layout)
+        outside_lse = self._outside_lse(q, kv, Window(pack, self.config.sliding_window))
+        if self.tp.world > 1:           # this rank's heads -> all of them, in head order
+            q, outside_lse = self.tp.gather(q, 1), self.tp.gather(outside_lse, 1)
+        return dict(q=q, compressed=compressed, outside_lse=outside_lse, index_q=index_q, index_k=index_k,
+                    index_weights=index_w, layout=layout)
 
     def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, candidates, pack, full_lse=None):
         """coeff * sum_t KL_t / real rows of the global batch (under CP this rank's share). Teacher operands are

@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m dsv4attn.train",
         description="Train a small decoder LM built from DeepSeek-V4 hybrid attention layers through the "
                     "dense -> warm-up -> sparse curriculum (built-in long-range retrieval data by default). "
-                    "Data parallel under torchrun --nproc-per-node N; with --cp C, each group of C consecutive "
-                    "ranks splits one batch (context parallelism).")
+                    "Data parallel under torchrun --nproc-per-node N; with --cp C, the C ranks of a replica split "
+                    "one batch (context parallelism); with --tp T, T consecutive ranks split each attention "
+                    "layer's heads on the same batch (tensor parallelism).")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

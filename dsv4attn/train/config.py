@@ -13,6 +13,7 @@ from ..config import COMPRESS_RATIOS, Phase
 from ..parallel import PARTITIONS
 from ..parallel import num_chunks
 from .model import DEFAULT_RATIOS, PRESETS, largest_halo, model_config
+from .tensor import check_split
 
 
 def option(default, help: str, **extra):
@@ -63,6 +64,9 @@ class TrainConfig:
     # devices and parallelism
     device: str = option("auto", "auto (cuda when available), cpu or cuda")
     cp: int = option(1, "context-parallel ranks per replica: under torchrun, world = data-parallel x --cp")
+    tp: int = option(1, "tensor-parallel ranks: each attention layer's query heads and output groups split over N "
+                        "ranks that share one batch (docs/tensor_parallel.md); world = data-parallel x --cp x --tp; "
+                        "N divides the heads and o_groups. Not with --fsdp")
     cp_partition: str = option("contiguous", "rows of each context-parallel rank: contiguous (one slice) or "
                                              "head_tail (chunks i and 2C-1-i of 2C: even causal work)",
                                choices=PARTITIONS)
@@ -105,6 +109,7 @@ class TrainConfig:
         if self.lr <= 0 or self.min_lr_ratio > 1:
             raise ValueError(f"--lr must be > 0 and --min-lr-ratio in [0, 1], got {self.lr!r}, {self.min_lr_ratio!r}")
         need_int("cp", 1)
+        need_int("tp", 1)
         if (isinstance(self.pg_timeout, bool) or not isinstance(self.pg_timeout, (int, float))
                 or not math.isfinite(self.pg_timeout) or self.pg_timeout <= 0):
             raise ValueError(f"--pg-timeout must be a number of seconds > 0, got {self.pg_timeout!r}")
@@ -117,6 +122,16 @@ class TrainConfig:
             # summed over the CP group inside FSDP's reduction; not built yet.
             raise ValueError(f"--fsdp does not compose with --cp {self.cp} yet (FSDP2 shards over the data-parallel "
                              f"ranks only); use --fsdp with --cp 1, or --cp without --fsdp (DDP)")
+        if self.fsdp and self.tp > 1:
+            # FSDP2 would shard the TP layers' local shards over the data-parallel ranks: a 2-D (dp, tp) mesh and
+            # DTensor placements for the head shards, not built yet.
+            raise ValueError(f"--fsdp does not compose with --tp {self.tp} yet (FSDP2 shards over the data-parallel "
+                             f"ranks only); use --tp without --fsdp (DDP over the data-parallel ranks)")
+        if self.tp > 1:
+            a = model_config(self.model, self.ratios).attention
+            why = check_split(a.num_attention_heads, a.o_groups, self.tp)
+            if why:
+                raise ValueError(f"{why} (--model {self.model})")
         if self.cp > 1:
             # Every chunk of rows needs the last `halo` rows of the chunk before it, so a chunk can be no shorter
             # (the layers raise too, but only at the first forward and without naming the options).
@@ -173,9 +188,11 @@ class TrainConfig:
 # Options that may differ when resuming (where output goes and how often it is written or evaluated); every other
 # option shapes the run and must equal the checkpoint's, or --resume refuses.
 RESUME_FREE = frozenset({"out", "resume", "overwrite", "plot", "eval_every", "eval_batches", "save_every", "keep",
-                         "device", "stop_after", "pg_timeout", "fsdp"})
+                         "device", "stop_after", "pg_timeout", "fsdp", "tp"})
 # --fsdp is free too: its checkpoints hold the same full-state files, so a run may switch it when resuming (then it
-# continues within rounding, not bit for bit: a reduce-scatter adds in another order than an all-reduce).
+# continues within rounding, not bit for bit: a reduce-scatter adds in another order than an all-reduce). So is --tp:
+# checkpoints hold the full tensors whatever --tp wrote them, and the data stream depends on the data-parallel
+# replica count only (checked on resume), so a run continues at another --tp within rounding.
 
 
 def resume_mismatches(saved: dict, current: TrainConfig) -> list[str]:

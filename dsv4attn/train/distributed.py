@@ -1,20 +1,40 @@
-"""Data x context parallelism of the training job: process layout, groups, row slices, gradient reduction.
+"""Data x context x tensor parallelism of the training job: process layout, groups, row slices, gradient reduction.
 
-Under ``torchrun`` the ``world`` processes form ``dp = world / cp`` data-parallel replicas of ``cp`` consecutive
-ranks each: global rank ``r`` is context-parallel rank ``r % cp`` of replica ``r // cp``. The ranks of one
-replica (one *CP group*) read the same packed batch, each computing its rows (docs/semantics.md, decision 10): one contiguous slice,
-or with the ``"head_tail"`` partition two chunks (:mod:`dsv4attn.parallel.partition`). The ranks holding the
-same rows across replicas form a *DP group*.
+Under ``torchrun`` the ``world`` processes form ``dp = world / (cp * tp)`` data-parallel replicas of ``cp * tp``
+consecutive ranks each. Global rank ``r`` is
 
-The library never creates process groups (the layers take ``cp_group=`` from the caller); the training job is
-the caller, so it builds them here, on every rank, in the same order (``new_group`` is collective).
+- tensor-parallel rank ``r % tp`` (innermost: a TP group is ``tp`` consecutive ranks, on GPUs the fastest link),
+- context-parallel rank ``(r // tp) % cp``,
+- of replica ``r // (cp * tp)``.
+
+Groups (every rank belongs to one of each kind that has more than one rank):
+
+- *TP group*: the ``tp`` ranks of one replica and one CP position, ``[base + c * tp + t for t in range(tp)]``
+  with ``base = d * cp * tp``. They read the same batch and compute the same rows; each holds its share of the
+  attention heads (:mod:`dsv4attn.parallel.tensor`), everything else whole.
+- *CP group*: the ``cp`` ranks of one replica with the same TP rank, ``[base + c * tp + t for c in range(cp)]``.
+  They read the same packed batch, each computing its rows (docs/semantics.md, decision 10): one contiguous
+  slice, or with the ``"head_tail"`` partition two chunks (:mod:`dsv4attn.parallel.partition`).
+- *DP group*: the ranks holding the same rows and the same head shard across replicas,
+  ``[d * cp * tp + c * tp + t for d in range(dp)]``.
+
+With ``tp == 1`` this is the dp x cp layout of before (``cp`` consecutive ranks per replica). Example, 8 ranks at
+``--cp 2 --tp 2``: replicas {0..3} and {4..7}; TP groups {0,1} {2,3} {4,5} {6,7}; CP groups {0,2} {1,3} {4,6}
+{5,7}; DP groups {0,4} {1,5} {2,6} {3,7}.
+
+The library never creates process groups (the layers take ``cp_group=`` / ``tp_group=`` from the caller); the
+training job is the caller, so it builds them here, on every rank, in the same order (``new_group`` is
+collective).
 
 Gradients: a rank's backward gives its CP share of the replica's gradient (the LM loss share below, and the
 layers' indexer-loss share, which they already normalise by the global real-token count). The replica gradient
 is the *sum* over the CP group; the run's gradient is the *mean* over replicas. DDP runs over the DP group only
 (it averages, as plain data parallelism does), then :func:`sum_gradients` all-reduces over the CP group. One DDP
 over the whole world with the LM loss scaled by ``cp`` would not do: the indexer loss is fed gradient 1 inside
-the layers, not through the LM loss, so its gradient would come out ``cp`` times too small.
+the layers, not through the LM loss, so its gradient would come out ``cp`` times too small. Under TP the
+attention layers leave every replicated parameter's gradient whole and equal on the TP ranks and each sharded
+one's gradient on its shard, so neither reduction involves the TP group: the DP and CP groups pair ranks of the
+same TP rank, which hold the same shard (:mod:`dsv4attn.train.tensor` has the norm, checkpoint and resume parts).
 """
 from __future__ import annotations
 
@@ -31,26 +51,32 @@ from ..parallel import shard
 
 @dataclass(frozen=True)
 class Parallelism:
-    """Where this process sits in the dp x cp layout, and the groups it talks to."""
+    """Where this process sits in the dp x cp x tp layout, and the groups it talks to."""
 
     world: int                  # processes of the job
     rank: int                   # global rank
     cp: int                     # context-parallel ranks per replica (--cp)
     cp_group: object = None     # this rank's CP group; None when cp == 1 (the layers' single-device path)
-    dp_group: object = None     # this rank's DP group for DDP; None: the default group when cp == 1 (no DDP
-                                # at all when dp == 1)
+    dp_group: object = None     # this rank's DP group for DDP; None: the default group when cp == tp == 1 (no
+                                # DDP at all when dp == 1)
+    tp: int = 1                 # tensor-parallel ranks per CP position (--tp)
+    tp_group: object = None     # this rank's TP group; None when tp == 1
 
     @property
     def dp(self) -> int:
-        return self.world // self.cp
+        return self.world // (self.cp * self.tp)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.cp
+        return self.rank // (self.cp * self.tp)
 
     @property
     def cp_rank(self) -> int:
-        return self.rank % self.cp
+        return (self.rank // self.tp) % self.cp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
 
 
 def environment() -> tuple[int, int, int]:
@@ -62,34 +88,49 @@ def environment() -> tuple[int, int, int]:
     return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")), local_rank
 
 
-def check_world(world: int, cp: int) -> None:
-    """Host-only, before any process group exists: ``cp`` must split the world into whole replicas."""
-    if world % cp:
-        raise ValueError(f"--cp {cp} must divide the number of processes, got {world} (WORLD_SIZE); run "
-                         f"torchrun --nproc-per-node with a multiple of {cp} (world = data-parallel x --cp)")
+def check_world(world: int, cp: int, tp: int = 1) -> None:
+    """Host-only, before any process group exists: ``cp * tp`` must split the world into whole replicas."""
+    if world % (cp * tp):
+        if tp == 1:
+            raise ValueError(f"--cp {cp} must divide the number of processes, got {world} (WORLD_SIZE); run "
+                             f"torchrun --nproc-per-node with a multiple of {cp} (world = data-parallel x --cp)")
+        raise ValueError(f"--cp {cp} x --tp {tp} = {cp * tp} must divide the number of processes, got {world} "
+                         f"(WORLD_SIZE); run torchrun --nproc-per-node with a multiple of {cp * tp} (world = "
+                         f"data-parallel x --cp x --tp)")
 
 
-def build(world: int, rank: int, cp: int, timeout: float | None = None) -> Parallelism:
-    """The layout of this rank, creating the CP and DP groups when ``cp > 1`` (collective: every rank calls it).
+def build(world: int, rank: int, cp: int, timeout: float | None = None, tp: int = 1) -> Parallelism:
+    """The layout of this rank (module docstring), creating its TP, CP and DP groups where they have more than
+    one rank and the run is not plain data parallelism (collective: every rank calls it).
 
     ``timeout``: seconds a collective of these groups waits for the other ranks (--pg-timeout; None: torch's
     default), so that a rank that fails and stays alive cannot keep the others waiting for ever."""
-    check_world(world, cp)
-    if cp == 1:
+    check_world(world, cp, tp)
+    if cp == 1 and tp == 1:
         return Parallelism(world=world, rank=rank, cp=1)
-    dp = world // cp
-    cp_group = dp_group = None
+    size = cp * tp
+    dp = world // size
+    d_me, c_me, t_me = rank // size, (rank // tp) % cp, rank % tp
+    cp_group = dp_group = tp_group = None
     limit = None if timeout is None else datetime.timedelta(seconds=timeout)
-    for replica in range(dp):                       # consecutive ranks: one replica's slices on one host first
-        group = dist.new_group(list(range(replica * cp, (replica + 1) * cp)), timeout=limit)
-        if replica == rank // cp:
-            cp_group = group
+    if tp > 1:
+        for replica, position in itertools.product(range(dp), range(cp)):
+            base = replica * size + position * tp
+            group = dist.new_group(list(range(base, base + tp)), timeout=limit)
+            if (replica, position) == (d_me, c_me):
+                tp_group = group
+    if cp > 1:                                      # with tp == 1: consecutive ranks, one replica's slices first
+        for replica, t in itertools.product(range(dp), range(tp)):
+            group = dist.new_group([replica * size + c * tp + t for c in range(cp)], timeout=limit)
+            if (replica, t) == (d_me, t_me):
+                cp_group = group
     if dp > 1:
-        for position in range(cp):
-            group = dist.new_group(list(range(position, world, cp)), timeout=limit)
-            if position == rank % cp:
+        for position, t in itertools.product(range(cp), range(tp)):
+            group = dist.new_group([d * size + position * tp + t for d in range(dp)], timeout=limit)
+            if (position, t) == (c_me, t_me):
                 dp_group = group
-    return Parallelism(world=world, rank=rank, cp=cp, cp_group=cp_group, dp_group=dp_group)
+    return Parallelism(world=world, rank=rank, cp=cp, cp_group=cp_group, dp_group=dp_group, tp=tp,
+                       tp_group=tp_group)
 
 
 def local_rows(t: torch.Tensor, cp_group, cp_partition: str = "contiguous") -> torch.Tensor:

@@ -5,9 +5,10 @@ function of its :class:`TrainConfig` (the data batch of step s on data-parallel 
 of the seeded stream, the LR and the phase are functions of s), so ``--resume`` reproduces a straight run bit for
 bit on the same device and world size.
 
-Parallelism (:mod:`dsv4attn.train.distributed`): ``world = dp x cp`` processes; the ``cp`` ranks of a replica
-split its batch's rows (context parallelism), replicas average their gradients (DDP). Metrics are those of
-replica 0's batch, whatever ``cp`` is: a ``--cp 2`` run logs the numbers of the ``--cp 1`` run (up to rounding).
+Parallelism (:mod:`dsv4attn.train.distributed`): ``world = dp x cp x tp`` processes; the ``cp`` ranks of a replica
+split its batch's rows (context parallelism), its ``tp`` ranks the attention heads (tensor parallelism, the same
+rows), replicas average their gradients (DDP). Metrics are those of replica 0's batch, whatever ``cp`` and ``tp``
+are: a ``--cp 2`` or ``--tp 2`` run logs the numbers of the one-process run (up to rounding).
 
 A step whose loss, indexer loss or gradient norm is not finite stops the run with :class:`NonFiniteStep` on
 every rank at the same step (:mod:`.step`); nothing of it is applied or saved, so ``latest`` is the last good state.
@@ -19,7 +20,7 @@ import time
 import torch.distributed as dist
 from tqdm import tqdm
 
-from . import distributed
+from . import distributed, tensor
 from .checkpointer import Checkpointer
 from .config import TrainConfig
 from .data import TRAIN
@@ -42,7 +43,8 @@ def train(cfg: TrainConfig) -> dict:
     checkpointer = Checkpointer(cfg, run.out, s.is_main, end, data=s.source.describe(), dp=par.dp,
                                 about={"run_config": cfg.to_dict(), "model_config": s.mcfg.to_dict(),
                                        "world_size": par.world},
-                                last_saved=(s.start, cfg.resume) if s.loaded is not None else None)
+                                last_saved=(s.start, cfg.resume) if s.loaded is not None else None,
+                                gathers_tp=par.tp > 1 and par.dp_rank == 0 and par.cp_rank == 0)
     meter = Throughput(s.start)
     # A failing rank leaves word for the others, which then stop (within --pg-timeout) naming it, not waiting.
     board = distributed.FailureBoard(par.rank, par.world, cfg.pg_timeout) if par.world > 1 else None
@@ -82,7 +84,7 @@ def train(cfg: TrainConfig) -> dict:
         done = max(s.start, end)
         last_eval = evaluator.final(done, cfg.phase_of(done - 1))
         summary = write_summary(run.out, cfg, s.mcfg, s.device, par.world, meter, last_eval,
-                                sum(p.numel() for p in s.model.parameters()), done) if s.is_main else {}
+                                tensor.full_numel(s.model), done) if s.is_main else {}
         if par.world > 1:
             dist.barrier()          # no rank returns (or resumes) before rank 0 has written the run's files
         return summary

@@ -87,11 +87,11 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, compress_ratio: int):
+    def __init__(self, config: ModelConfig, compress_ratio: int, tp_group=None):
         super().__init__()
         a = config.attention
         self.attn_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.attn = HybridAttention(a, compress_ratio)
+        self.attn = HybridAttention(a, compress_ratio, tp_group=tp_group)
         self.mlp_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = SwiGLU(a.hidden_size, config.mlp_hidden)
 
@@ -114,14 +114,19 @@ class DecoderLM(nn.Module):
     *global* batch (``tokens`` of all T rows, global ``cu_seqlens``) and gets the logits of its own rows (T / cp
     of them, in the order of :func:`dsv4attn.train.distributed.local_rows`). Embedding, norms, MLP and head are
     per row; the attention layers exchange what they need. ``captured`` then holds this rank's attention inputs.
+
+    Tensor parallelism (``tp_group``, docs/tensor_parallel.md): the attention layers hold their rank's heads; every
+    rank of the group passes the same batch and gets the same, full logits. Built after the same
+    ``torch.manual_seed`` as a one-process model, the layers hold exactly its slices (the random draws are those of
+    the full tensors).
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp_group=None):
         super().__init__()
         self.config = config
         a = config.attention
         self.embed = nn.Embedding(config.vocab_size, a.hidden_size)
-        self.blocks = nn.ModuleList(Block(config, r) for r in a.compress_ratios)
+        self.blocks = nn.ModuleList(Block(config, r, tp_group) for r in a.compress_ratios)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.head = nn.Linear(a.hidden_size, config.vocab_size, bias=False)
         std = a.initializer_range
@@ -135,7 +140,7 @@ class DecoderLM(nn.Module):
             nn.init.normal_(block.mlp.gate_up.weight, std=std)
             # Residual-branch outputs start small (GPT-2 style) so the stack begins near the identity.
             nn.init.normal_(block.mlp.down.weight, std=residual_std)
-            nn.init.normal_(block.attn.o_b_proj.weight, std=residual_std)
+            _normal_full(block.attn, "o_b_proj.weight", residual_std)
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, phase: str,
                 captured: list | None = None, cp_group=None, cp_partition: str = "contiguous") -> torch.Tensor:
@@ -155,6 +160,19 @@ class DecoderLM(nn.Module):
         """Sum of the layers' detached indexer losses of the last training forward (None when no layer has one)."""
         losses = [l.indexer_loss for l in self.attention_layers() if l.indexer_loss is not None]
         return torch.stack(losses).sum() if losses else None
+
+
+def _normal_full(layer: HybridAttention, name: str, std: float) -> None:
+    """``nn.init.normal_`` of a layer parameter as if it were whole: under tensor parallelism the full tensor is
+    drawn (the RNG advances as on one process) and this rank keeps its slice."""
+    p = layer.get_parameter(name)
+    dim = layer.tp_sharded.get(name) if layer.tp.world > 1 else None
+    if dim is None:
+        nn.init.normal_(p, std=std)
+        return
+    full = nn.init.normal_(p.new_empty(layer.tp.full_shape(p.shape, dim)), std=std)
+    with torch.no_grad():
+        p.copy_(layer.tp.shard(full, dim))
 
 
 def largest_halo(config: ModelConfig) -> int:

@@ -118,7 +118,8 @@ def write_summary(out: Path, cfg, mcfg, device, world: int, meter: Throughput, l
     and return it as a dict."""
     summary = {
         "out": str(out), "steps": cfg.steps, "done": done, "steps_this_session": done - meter.start_step,
-        "ratios": list(cfg.ratios), "device": str(device), "world_size": world, "cp": cfg.cp, "params": params,
+        "ratios": list(cfg.ratios), "device": str(device), "world_size": world, "cp": cfg.cp, "tp": cfg.tp,
+        "params": params,
         "wall_time_s": time.perf_counter() - meter.wall_start, "train_time_s": meter.train_time_s,
         "tokens": meter.tokens, "tokens_per_s": meter.tokens / meter.train_time_s if meter.train_time_s else None,
         "final_eval": last_eval, "schedule": {"dense": cfg.dense_steps, "warmup": cfg.warmup_steps,

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import distributed
+from . import distributed, tensor
 from .checkpointer import resume_point, restore
 from .config import TrainConfig
 from .data import EVAL, make_source
@@ -99,7 +99,7 @@ def setup(cfg: TrainConfig) -> Setup:
     """Check ``cfg`` and everything it names, then build the run (see the module docstring for the order)."""
     cfg.validate()
     world, rank, local_rank = distributed.environment()
-    distributed.check_world(world, cfg.cp)
+    distributed.check_world(world, cfg.cp, cfg.tp)
     device = pick_device(cfg, local_rank)
     mcfg = model_config(cfg.model, cfg.ratios, cfg.indexer_loss_coeff)
     source = make_source(cfg.data, n_layers=mcfg.num_layers, window=mcfg.attention.sliding_window)
@@ -113,9 +113,9 @@ def setup(cfg: TrainConfig) -> Setup:
             print(f"warning: --resume {cfg.resume}: {note}", file=sys.stderr, flush=True)
 
     own_group = init_process_group(world, device, cfg.pg_timeout)
-    par = distributed.build(world, rank, cfg.cp, timeout=cfg.pg_timeout)
-    torch.manual_seed(cfg.seed)
-    model = DecoderLM(mcfg).to(device)
+    par = distributed.build(world, rank, cfg.cp, timeout=cfg.pg_timeout, tp=cfg.tp)
+    torch.manual_seed(cfg.seed)          # under --tp every rank draws the full tensors and keeps its slices
+    model = DecoderLM(mcfg, tp_group=par.tp_group).to(device)
     sharded = cfg.fsdp and par.dp > 1
     if sharded:          # before the optimizer: it must hold the sharded (DTensor) parameters
         shard_lm(model, par, device)
@@ -125,7 +125,7 @@ def setup(cfg: TrainConfig) -> Setup:
         model, device_ids=[device.index] if device.type == "cuda" else None,
         process_group=par.dp_group) if par.dp > 1 and not sharded else model
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
-    # Replica 0 evaluates (all its CP ranks: they split each batch); under FSDP every rank (each forward gathers
+    # Replica 0 evaluates (all its CP and TP ranks: they split each batch or its heads); under FSDP every rank (each forward gathers
     # the parameters from all of them), on the same batches; rank 0 logs.
     eval_batches = [source.batch(cfg.seed, EVAL, i, cfg.capacity).padded_to(cfg.batch_rows)
                     for i in range(cfg.eval_batches)] if par.dp_rank == 0 or sharded else []
@@ -136,11 +136,12 @@ def setup(cfg: TrainConfig) -> Setup:
     run.open(start if continues_run else None)
     run.write_json("config.json", {"run_config": cfg.to_dict(), "model_config": mcfg.to_dict(),
                                    "data": source.describe(), "world_size": world, "data_parallel": par.dp,
+                                   "tensor_parallel": par.tp,
                                    "device": str(device)})
     run.log({"kind": "start", "step": start, "device": str(device), "world_size": world, "cp": cfg.cp,
-             "fsdp": sharded,
+             "tp": cfg.tp, "fsdp": sharded,
              "resumed_from": str(loaded.path) if loaded else None, "resume_notes": loaded.notes if loaded else [],
-             "dropped_records": run.dropped_records, "params": sum(p.numel() for p in model.parameters())})
+             "dropped_records": run.dropped_records, "params": tensor.full_numel(model)})
     return Setup(cfg=cfg, mcfg=mcfg, device=device, par=par, own_group=own_group, source=source, model=model,
                  optimizer=optimizer, step_model=step_model, sharded=sharded, autocast=autocast, eval_batches=eval_batches,
                  loaded=loaded, start=start, run=run)

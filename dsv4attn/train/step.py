@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..layers.common import is_sharded
-from . import distributed
+from . import distributed, tensor
 from .model import DecoderLM, lm_loss
 
 STEP_QUANTITIES = ("loss", "indexer_loss", "grad_norm")      # checked in this order; the first non-finite is named
@@ -65,7 +65,9 @@ def train_step(model: DecoderLM, optimizer, batch, phase: str, step: int, grad_c
     loss, idx_loss = loss_and_grads(step_model or model, model, batch, phase, cp_group=cp_group,
                                     cp_partition=cp_partition, autocast=autocast)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if grad_clip > 0:                            # after every reduction: the same norm on every rank
+    if par is not None and par.tp > 1:           # sharded squares summed over TP, replicated ones counted once
+        grad_norm = tensor.clip_grad_norm(model, grad_clip)
+    elif grad_clip > 0:                          # after every reduction: the same norm on every rank
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     else:
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else loss.new_zeros(())
