@@ -105,6 +105,8 @@ class PackedBatch:
     def compressed(self, ratio: int) -> CompressedLayout:
         """Layout of the ratio-``ratio`` compressed entries (built on first use, then cached; see :func:`cached`
         for ``torch.compile``)."""
+        if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
+            raise ValueError(f"ratio must be an int >= 1 (the compression ratio: 4 or 128 in the model), got {ratio!r}")
         return cached(self._layouts, ratio, lambda: _build_compressed_layout(self, ratio))
 
     def same_cu_seqlens(self, cu_seqlens: torch.Tensor) -> bool:
