@@ -88,3 +88,13 @@ def test_resume_from_nothing(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     _refused(capsys, ["--out", str(tmp_path / "run"), "--resume", str(tmp_path / "empty")],
              "neither a checkpoint directory", tmp_path)
+
+
+def test_broken_link_in_data_folder(tmp_path, capsys):
+    """A dangling link among the data files was skipped without a word (the run trained on the rest)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("some text " * 200)
+    (data / "b.txt").symlink_to(tmp_path / "gone.txt")
+    _refused(capsys, ["--out", str(tmp_path / "run"), "--data", str(data)],
+             f"--data: {data / 'b.txt'} is a link to {tmp_path / 'gone.txt'}, which does not exist", tmp_path)
