@@ -21,7 +21,7 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, layout
             any :class:`IndexSet` of candidate rows of ``k`` listed in increasing order.
         topk: k > 0.
     Returns:
-        (T, min(topk, max_seqlen // 4)) int32 rows of ``k`` (global compressed index), best first, ties to the
+        (T, min(topk, min(max_seqlen, T) // 4)) int32 rows of ``k`` (global compressed index), best first, ties to the
         lower index, -1 for empty slots.
     """
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
