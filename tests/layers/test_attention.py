@@ -376,3 +376,17 @@ def test_max_seqlen_far_past_the_batch_is_a_loose_bound(ratio):
         want = layer(x, cu_seqlens=cu, max_seqlen=270, phase=phase)
         got = layer(x, cu_seqlens=cu, max_seqlen=10 ** 12, phase=phase)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(rows=12), r"hidden_states must have shape \(16, 128\), got \(12, 128\)"),
+    (dict(width=64), r"hidden_states must have shape \(16, 128\), got \(16, 64\)"),
+    (dict(pack="not a pack"), r"pack must be a PackedBatch"),
+], ids=["rows", "width", "pack"])
+def test_indexer_inputs_checks_its_arguments(bad, message):
+    """Rows that do not match the pack raised 'positions must have shape (12,), got (16,)' from inside the query
+    path, naming an argument the caller never passed."""
+    layer = dsv4attn.HybridAttention(dsv4attn.AttentionConfig.tiny(), 4).eval()
+    pack = bad.get("pack", dsv4attn.pack_batch(torch.tensor([0, 16], dtype=torch.int32), 16, 16))
+    with pytest.raises((ValueError, TypeError), match=message):
+        layer.indexer_inputs(torch.randn(bad.get("rows", 16), bad.get("width", 128)), pack)
