@@ -209,12 +209,35 @@ def check_scale(softmax_scale, head_dim: int) -> float:
     """``softmax_scale`` (None = head_dim ** -0.5) as a positive finite float."""
     if softmax_scale is None:
         return head_dim ** -0.5
-    scale = float(softmax_scale)
-    if not math.isfinite(scale) or scale <= 0:
+    scale = _host_float(softmax_scale)
+    if scale is None or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     return scale
 
 
+def check_eps(eps) -> float:
+    """An RMSNorm ``eps`` as a finite float >= 0 (a negative one makes ``mean(x^2) + eps`` negative: NaN)."""
+    value = _host_float(eps)
+    if value is None or not math.isfinite(value) or value < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    return value
+
+
+def _host_float(value) -> float | None:
+    """``float(value)`` for a real number (or a one-element tensor); None for anything else (a string, None, a
+    bool, a tensor of several elements), so that the caller's error names its argument."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
 def check_layout_rows(layout, rows: int, name: str) -> None:
+    from .packing import CompressedLayout            # packing imports this module
+    if not isinstance(layout, CompressedLayout):
+        raise TypeError(f"layout must be a CompressedLayout (pack_batch(...).compressed(ratio)), "
+                        f"got {type(layout).__name__}")
     if layout.row_visible.shape[0] != rows:
         raise ValueError(f"layout was built for {layout.row_visible.shape[0]} rows, {name} has {rows}")

@@ -51,7 +51,7 @@ class CompressedLayout:
 
     ratio: int
     capacity: int                   # host int: rows of every compressed buffer (>= total entries)
-    max_per_doc: int                # host int: max_seqlen // ratio, the widest visible set of any query
+    max_per_doc: int                # host int: min(max_seqlen, T) // ratio, the widest visible set of any query
     cu_compressed: torch.Tensor     # (N+1,) int64
     entry_doc: torch.Tensor         # (capacity,) int64 document of each entry, N for padding entries
     entry_index: torch.Tensor       # (capacity,) int64 index j of the entry inside its document
@@ -105,6 +105,8 @@ class PackedBatch:
     def compressed(self, ratio: int) -> CompressedLayout:
         """Layout of the ratio-``ratio`` compressed entries (built on first use, then cached; see :func:`cached`
         for ``torch.compile``)."""
+        if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
+            raise ValueError(f"ratio must be an int >= 1 (the compression ratio: 4 or 128 in the model), got {ratio!r}")
         return cached(self._layouts, ratio, lambda: _build_compressed_layout(self, ratio))
 
     def same_cu_seqlens(self, cu_seqlens: torch.Tensor) -> bool:
@@ -222,7 +224,10 @@ def _build_compressed_layout(pack: PackedBatch, ratio: int) -> CompressedLayout:
         row_n = torch.zeros_like(pack.row_doc)
     visible = torch.minimum((pack.row_position + 1) // ratio, row_n)
     visible = torch.where(pack.row_is_real, visible, torch.zeros_like(visible))
-    return CompressedLayout(ratio=ratio, capacity=capacity, max_per_doc=pack.max_seqlen // ratio,
+    # No document is longer than the batch: a max_seqlen past T (legal, a loose bound) must not size the index
+    # sets (a width of max_seqlen // r: 10**12 // 4 slots per row was a 2 TB allocation).
+    widest = min(pack.max_seqlen, pack.total_rows) // ratio
+    return CompressedLayout(ratio=ratio, capacity=capacity, max_per_doc=widest,
                             cu_compressed=cu_comp, entry_doc=entry_doc, entry_index=entry_index,
                             entry_first_row=first_row, entry_is_real=entry_is_real,
                             row_first_entry=row_first_entry, row_visible=visible)

@@ -386,6 +386,10 @@ SA_CASES = {
                              r"indices must cover the 6 rows"),
     "q_nan": (_nan_at("q"), ValueError, r"q contains NaN"),
     "kv_nan": (_nan_at("kv"), ValueError, r"kv contains NaN"),
+    # float() of these raised its own message, naming no argument
+    "softmax_scale_str": (_set("softmax_scale", lambda a: "big"), ValueError, r"softmax_scale must be a positive"),
+    "softmax_scale_two_elements": (_set("softmax_scale", lambda a: torch.tensor([1.0, 2.0])), ValueError,
+                                   r"softmax_scale must be a positive"),
 }
 
 
@@ -441,6 +445,9 @@ CP_CASES = {
                                                 r"position_bias must have shape \(128, 16\)"),
     "layout_for_other_rows": (lambda a: a.update(layout=_layout(4, rows=20, cu=[0, 8, 20], max_seqlen=12)),
                               ValueError, r"layout"),
+    # an AttributeError ('Tensor' object has no attribute 'ratio') before
+    "layout_tensor": (lambda a: a.update(layout=torch.zeros(3)), TypeError, r"layout must be a CompressedLayout"),
+    "layout_none": (lambda a: a.update(layout=None), TypeError, r"layout must be a CompressedLayout"),
 }
 
 
@@ -483,6 +490,9 @@ TOPK_CASES = {
     "weights_wrong_rows": (lambda a: a.update(weights=a["weights"][:5]), ValueError, r"weights must have shape"),
     "layout_for_other_rows": (lambda a: a.update(layout=_layout(4, rows=20, cu=[0, 8, 20], max_seqlen=12)),
                               ValueError, r"layout"),
+    # an AttributeError ('Tensor' object has no attribute 'total_rows') before
+    "layout_tensor": (lambda a: a.update(layout=torch.zeros(3)), TypeError,
+                      r"layout must be a CompressedLayout .* or an IndexSet"),
 }
 
 
@@ -533,6 +543,13 @@ KL_CASES = {
                               r"candidates must have shape"),
     "candidates_out_of_range": (lambda a: a.update(candidates=a["candidates"].masked_fill(a["candidates"] == 2, 7)),
                                 ValueError, r"candidates"),
+    # integer keys or queries were accepted and gave a KL of 0 for every row
+    "index_k_int": (lambda a: a.update(index_k=a["index_k"].long()), ValueError, r"index_k must have dtype"),
+    "q_int": (lambda a: a.update(q=a["q"].to(torch.int32)), ValueError, r"\bq must have dtype"),
+    "compressed_kv_bool": (lambda a: a.update(compressed_kv=a["compressed_kv"] > 0), ValueError,
+                           r"compressed_kv must have dtype"),
+    "candidates_list": (lambda a: a.update(candidates=a["candidates"].tolist()), TypeError,
+                        r"candidates must be a \(T, C\) int torch\.Tensor or an IndexSet"),
 }
 
 

@@ -83,7 +83,7 @@ def test_compressed_layout_matches_loop(padding, ratio, max_seqlen):
     want = loop_layout(LENGTHS, T, max_seqlen, ratio)
     assert lay.ratio == ratio
     assert lay.capacity == want["capacity"] == min(T // ratio, len(LENGTHS) * (max_seqlen // ratio))
-    assert lay.max_per_doc == max_seqlen // ratio
+    assert lay.max_per_doc == min(max_seqlen, T) // ratio     # no document is longer than the batch
     for name in ("cu_compressed", "entry_doc", "entry_index", "entry_first_row", "entry_is_real", "row_visible"):
         assert_list(getattr(lay, name), want[name], name)
     # The first compressed row of the document is only meaningful for real rows.
@@ -178,3 +178,12 @@ def test_invalid_cu_seqlens_raise(cu, T, max_seqlen, err):
 def test_int64_cu_seqlens_rejected():
     with pytest.raises(ValueError, match="int32"):
         dsv4attn.pack_batch(torch.tensor([0, 3]), 3, 3)
+
+
+@pytest.mark.parametrize("ratio", [0, -4, 4.0, True], ids=["zero", "negative", "float", "bool"])
+def test_compressed_bad_ratio_names_it(ratio):
+    """A zero ratio raised torch's ZeroDivisionError, a negative one an arange error; a float built a layout of
+    float capacities. Now each is a ValueError naming ratio."""
+    pack = dsv4attn.pack_batch(torch.tensor([0, 5], dtype=torch.int32), 8, 5)
+    with pytest.raises(ValueError, match=r"ratio must be an int >= 1"):
+        pack.compressed(ratio)

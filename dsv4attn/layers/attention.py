@@ -271,6 +271,10 @@ class HybridAttention(KeepFp32Params):
         if self.indexer is None:
             raise ValueError(f"indexer_inputs needs a ratio-4 layer, this one has compress_ratio "
                              f"{self.compress_ratio}")
+        if not isinstance(pack, PackedBatch):
+            raise TypeError(f"pack must be a PackedBatch from dsv4attn.pack_batch, got {type(pack).__name__}")
+        checks.check_tensor("hidden_states", hidden_states, shape=(pack.total_rows, self.config.hidden_size),
+                            dtypes=checks.FLOATS, device=pack.device)
         x, inv_freq, pos = hidden_states, self._rope_table(hidden_states.device), pack.row_position
         layout = pack.compressed(4)
         qr, q = self._queries(x, pos, inv_freq)

@@ -116,5 +116,12 @@ def agree(group, mine: list[int], device: torch.device) -> list[list[int]]:
     world = dist.get_world_size(group)
     t = torch.tensor(mine, dtype=torch.int64, device=device)
     parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t, group=group)
+    try:
+        dist.all_gather(parts, t, group=group)
+    except (RuntimeError, dist.DistError) as err:   # a peer never came (raised elsewhere, exited): the backend's
+        raise type(err)(                            # own text names neither dsv4attn's step nor a likely cause
+            f"context parallelism: rank {dist.get_rank(group)} of cp_group waited in vain for the other ranks to "
+            f"agree on the batch metadata (the first collective of a CP layer call or pack_batch): a rank failed "
+            f"or stopped before reaching the same call, or the group's timeout passed; its own error says why. "
+            f"Backend error: {err}") from err
     return torch.stack(parts).tolist()                  # one host read of world x SIZE ints

@@ -443,7 +443,8 @@ def _open(ckpt: Path) -> Loaded:
     return Loaded(ckpt, meta, weights, opt, notes)
 
 
-def _is_checkpoint_dir(p: Path) -> bool:
+def is_checkpoint_dir(p: Path) -> bool:
+    """Whether ``p`` looks like a checkpoint folder (a manifest or a meta file)."""
     return (p / MANIFEST).is_file() or (p / "meta.json").is_file()
 
 
@@ -452,7 +453,7 @@ def load_checkpoint(path: str | os.PathLike) -> Loaded:
     error), or a run directory: the checkpoint its ``latest`` names, else the newest intact one (notes say which
     were skipped and why)."""
     p = Path(path)
-    if _is_checkpoint_dir(p):
+    if is_checkpoint_dir(p):
         return _open(p)
     root = p / "checkpoints"
     if not root.is_dir():

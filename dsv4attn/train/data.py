@@ -234,8 +234,11 @@ def _text_files(path: Path) -> list[Path]:
         raise FileNotFoundError(f"--data: {path} does not exist (expected a UTF-8 text file or a folder of them)")
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in
-                                                                          p.relative_to(path).parts))
+    shown = [p for p in path.rglob("*") if not any(s.startswith(".") for s in p.relative_to(path).parts)]
+    broken = sorted(p for p in shown if p.is_symlink() and not p.exists())
+    if broken:                       # skipping it would train on part of the data without a word
+        raise FileNotFoundError(f"--data: {broken[0]} is a link to {os.readlink(broken[0])}, which does not exist")
+    files = sorted(p for p in shown if p.is_file())
     if not files:
         raise ValueError(f"--data: the folder {path} holds no files")
     return files

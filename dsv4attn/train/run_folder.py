@@ -91,6 +91,7 @@ def check_out_dir(out: Path, overwrite: bool, continues_run: bool) -> bool:
     """A fresh run refuses a --out that already holds a run unless --overwrite; resuming may append to its own.
     --overwrite refuses a folder holding anything the trainer did not write. Returns whether the run in --out is to
     be removed (--overwrite)."""
+    _check_not_in_checkpoints(out)
     if not out.exists():
         return False
     if not out.is_dir():
@@ -110,6 +111,18 @@ def check_out_dir(out: Path, overwrite: bool, continues_run: bool) -> bool:
         raise ValueError(f"--out {out} already holds a run ({', '.join(existing)}); pass --resume {out} to continue "
                          f"it, --overwrite to replace it, or another --out")
     return False
+
+
+def _check_not_in_checkpoints(out: Path) -> None:
+    """--out must not be (or lie inside) a checkpoint folder or the ``checkpoints`` folder of a run: that run's
+    pruning removes whole checkpoint folders, so it would one day delete this run with them."""
+    for p in (out.absolute(), *out.absolute().parents):
+        if p.is_dir() and ckpt_io.is_checkpoint_dir(p):
+            raise ValueError(f"--out {out} is inside the checkpoint {p}; a run written there would be deleted with "
+                             f"it when its run prunes old checkpoints: pick a folder outside any run's checkpoints")
+        if p.name == "checkpoints" and any((p.parent / name).is_file() for name in RUN_FILES[:-1]):
+            raise ValueError(f"--out {out} is inside {p}, the checkpoints folder of the run {p.parent}: pick a "
+                             f"folder outside any run's checkpoints")
 
 
 def remove_run(out: Path) -> None:

@@ -362,3 +362,32 @@ def test_indexer_inputs_needs_a_ratio_4_layer():
     pack = dsv4attn.pack_batch(None, 16)
     with pytest.raises(ValueError, match="ratio-4 layer"):
         layer.indexer_inputs(torch.randn(16, 128), pack)
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_max_seqlen_far_past_the_batch_is_a_loose_bound(ratio):
+    """max_seqlen may exceed every document (a bound); 10**12 sized the compressed index sets by it (10**12 // 4
+    slots per row: "can't allocate memory: you tried to allocate 2000000000000 bytes"). No document is longer than
+    the batch, so the widths now stop at T // ratio; the output equals the one with the exact bound."""
+    torch.manual_seed(0)
+    layer = dsv4attn.HybridAttention(dsv4attn.AttentionConfig.tiny(), ratio).eval()
+    x = torch.randn(300, 128)
+    cu = torch.tensor([0, 20, 290], dtype=torch.int32)
+    for phase in ("dense", "sparse"):
+        want = layer(x, cu_seqlens=cu, max_seqlen=270, phase=phase)
+        got = layer(x, cu_seqlens=cu, max_seqlen=10 ** 12, phase=phase)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(rows=12), r"hidden_states must have shape \(16, 128\), got \(12, 128\)"),
+    (dict(width=64), r"hidden_states must have shape \(16, 128\), got \(16, 64\)"),
+    (dict(pack="not a pack"), r"pack must be a PackedBatch"),
+], ids=["rows", "width", "pack"])
+def test_indexer_inputs_checks_its_arguments(bad, message):
+    """Rows that do not match the pack raised 'positions must have shape (12,), got (16,)' from inside the query
+    path, naming an argument the caller never passed."""
+    layer = dsv4attn.HybridAttention(dsv4attn.AttentionConfig.tiny(), 4).eval()
+    pack = bad.get("pack", dsv4attn.pack_batch(torch.tensor([0, 16], dtype=torch.int32), 16, 16))
+    with pytest.raises((ValueError, TypeError), match=message):
+        layer.indexer_inputs(torch.randn(bad.get("rows", 16), bad.get("width", 128)), pack)

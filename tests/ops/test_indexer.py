@@ -171,10 +171,17 @@ def test_rejects_bad_topk(topk):
 
 def test_no_compressed_entry_with_static_max_seqlen():
     """max_seqlen is only a bound (>= the longest document): with max_seqlen 8 but a 3-row batch the layout has
-    capacity 0 and width 2; every slot must be -1 (k has no row to gather)."""
+    capacity 0 and width min(8, 3) // 4 = 0 (no document is longer than the batch; the width was max_seqlen // 4
+    = 2, all -1); a width-0 layout and an empty k give an empty selection. With a 7-row batch: capacity 1 and
+    width 1, and the slot of every row that sees no entry is -1."""
     torch.manual_seed(10)
     pack = dsv4attn.pack_batch(cu_seqlens_of((3,)), 3, 8)
     lay = pack.compressed(4)
-    assert lay.capacity == 0 and lay.max_per_doc == 2
+    assert lay.capacity == 0 and lay.max_per_doc == 0
     got = indexer_topk(torch.randn(3, 2, 4), torch.randn(0, 4), torch.randn(3, 2), lay, 4)
-    assert torch.equal(got, torch.full((3, 2), -1, dtype=torch.int32))
+    assert got.shape == (3, 0) and got.dtype == torch.int32
+    pack = dsv4attn.pack_batch(cu_seqlens_of((3,)), 7, 8)
+    lay = pack.compressed(4)
+    assert lay.capacity == 1 and lay.max_per_doc == 1
+    got = indexer_topk(torch.randn(7, 2, 4), torch.randn(1, 4), torch.randn(7, 2), lay, 4)
+    assert torch.equal(got, torch.full((7, 1), -1, dtype=torch.int32))

@@ -209,11 +209,12 @@ def test_index_set_candidates_and_chunking(monkeypatch):
 
 
 def test_no_compressed_entry_with_static_max_seqlen():
-    """max_seqlen 8 for a 3-row batch: capacity 0, candidate width 2, every slot -1: KL 0 and zero gradients."""
+    """max_seqlen 8 for a 3-row batch: capacity 0, candidate width min(8, 3) // 4 = 0 (it was 8 // 4 = 2, every
+    slot -1; no document is longer than the batch): KL 0 and zero gradients."""
     torch.manual_seed(9)
     pack = dsv4attn.pack_batch(torch.tensor([0, 3], dtype=torch.int32), 3, 8)
     lay = pack.compressed(4)
-    assert lay.capacity == 0 and lay.max_per_doc == 2
+    assert lay.capacity == 0 and lay.max_per_doc == 0
     index_q, index_k, index_w = torch.randn(3, 2, 4), torch.randn(0, 4), torch.randn(3, 2)
     kl, dq, dk, dw = run_with_grads(
         lambda a, b, c: indexer_kl(a, b, c, torch.randn(3, 2, 8), torch.randn(0, 8), VisibleCompressed(lay, 3),

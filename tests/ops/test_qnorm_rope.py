@@ -16,6 +16,7 @@ reference path; GPU tests (skipped without CUDA) run the Flash geometry: T = 819
 """
 from __future__ import annotations
 
+import re
 import json
 import os
 
@@ -428,3 +429,14 @@ def test_gpu_torch_compile_fullgraph_equals_eager():
     for name, a, b in zip(NAMES, compiled, eager):
         diff = (a - b).abs().max().item()
         assert diff <= 2.0 ** -7 * b.abs().max().item(), f"{name}: compiled differs from eager by {diff:.3e}"
+
+
+@pytest.mark.parametrize("eps, shown", [("small", "'small'"), (None, "None"), (-1.0, "-1.0"),
+                                        (float("nan"), "nan"), (torch.tensor([1e-6, 1e-6]), "tensor")],
+                         ids=["str", "none", "negative", "nan", "two-elements"])
+def test_bad_eps_names_it(eps, shown):
+    """float(eps) raised its own message before ('could not convert string to float'), and a negative eps gave
+    NaN for every row of zeros without an error."""
+    from dsv4attn.ops import qnorm_rope
+    with pytest.raises(ValueError, match=r"eps must be a finite number >= 0, got " + re.escape(shown)):
+        qnorm_rope(torch.zeros(6, 2, 64), torch.arange(6), torch.ones(8, dtype=torch.float64), eps)

@@ -261,3 +261,40 @@ def test_context_parallel_equals_single_process(world):
         assert len(messages) == 1, messages
         message = messages.pop()
         assert "too few rows per context-parallel rank" in message and "128" in message
+
+
+def _absent_peer_worker(rank, world, init_file, result_dir):
+    """Rank 1 stays alive but never makes the layer call (it failed in code of its own); rank 0 must stop waiting
+    at the group's timeout with an error that says which step waited and why, not only gloo's own text."""
+    import time
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=5))
+        torch.set_num_threads(1)
+        report = "ok"
+        if rank == 0:
+            cu, max_len = _pack()
+            layer = _layer(4, torch.float32)
+            x = torch.randn(TOTAL_ROWS // world, 128)
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"context parallelism: rank 0 of cp_group waited in vain for the "
+                                                   r"other ranks to agree on the batch metadata") as err:
+                layer(x, cu_seqlens=cu, max_seqlen=max_len, cp_group=dist.group.WORLD)
+            assert "Backend error:" in str(err.value) and layer.indexer_loss is None
+            report += f"\n{time.monotonic() - start:.1f}"
+        else:
+            time.sleep(20)                                   # alive, not calling: a rank stuck in its own code
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(report)
+    except Exception:
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            f.write("error\n" + traceback.format_exc())
+        raise
+
+
+def test_absent_rank_ends_the_wait_with_a_clear_error():
+    """Before: rank 0 raised gloo's bare 'Timed out waiting 15000ms for send operation to complete' (and
+    'Connection reset by peer' when the rank had exited), naming neither the CP agreement nor a cause."""
+    with tempfile.TemporaryDirectory() as tmp:
+        reports = run_ranks(_absent_peer_worker, 2, tmp, deadline_s=90)
+        assert float(reports[0].split("\n")[1]) < 30, reports[0]

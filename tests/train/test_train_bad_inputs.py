@@ -88,3 +88,28 @@ def test_resume_from_nothing(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     _refused(capsys, ["--out", str(tmp_path / "run"), "--resume", str(tmp_path / "empty")],
              "neither a checkpoint directory", tmp_path)
+
+
+def test_broken_link_in_data_folder(tmp_path, capsys):
+    """A dangling link among the data files was skipped without a word (the run trained on the rest)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("some text " * 200)
+    (data / "b.txt").symlink_to(tmp_path / "gone.txt")
+    _refused(capsys, ["--out", str(tmp_path / "run"), "--data", str(data)],
+             f"--data: {data / 'b.txt'} is a link to {tmp_path / 'gone.txt'}, which does not exist", tmp_path)
+
+
+@pytest.mark.parametrize("where", ["checkpoint_folder", "inside_checkpoint", "checkpoints_folder"])
+def test_out_inside_another_runs_checkpoints(tmp_path, capsys, where):
+    """--out naming a checkpoint folder of another run trained and wrote its run files in there (exit 0): that
+    run's pruning would later delete the new run with the checkpoint. Now refused before anything is written."""
+    src = tmp_path / "src"
+    step = src / "checkpoints" / "step_0000004"
+    step.mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    (step / "manifest.json").write_text("{}")
+    out = {"checkpoint_folder": step, "inside_checkpoint": step / "run",
+           "checkpoints_folder": src / "checkpoints" / "run"}[where]
+    message = "is inside the checkpoint" if where != "checkpoints_folder" else "the checkpoints folder of the run"
+    _refused(capsys, ["--out", str(out)], message, tmp_path)

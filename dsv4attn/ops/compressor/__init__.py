@@ -23,11 +23,11 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Ten
     checks.check_tensor("kv", kv, dim=2, dtypes=checks.FLOATS)
     T, width = kv.shape
     checks.check_tensor("gate", gate, shape=(T, width), dtypes=(kv.dtype,), device=kv.device)
+    checks.check_layout_rows(layout, T, "kv")
     if layout.ratio == 4 and width % 2:
         raise ValueError(f"kv must have an even width (2*d) for ratio 4, got {width}")
     checks.check_tensor("position_bias", position_bias, shape=(layout.ratio, width),
                         dtypes=(torch.float32, torch.float64), device=kv.device)
-    checks.check_layout_rows(layout, T, "kv")
     checks.check_finite("kv", kv)
     checks.check_finite("gate", gate)
     with backend.exact_math(kv.device):

@@ -21,7 +21,7 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, layout
             any :class:`IndexSet` of candidate rows of ``k`` listed in increasing order.
         topk: k > 0.
     Returns:
-        (T, min(topk, max_seqlen // 4)) int32 rows of ``k`` (global compressed index), best first, ties to the
+        (T, min(topk, min(max_seqlen, T) // 4)) int32 rows of ``k`` (global compressed index), best first, ties to the
         lower index, -1 for empty slots.
     """
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
@@ -36,6 +36,9 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, layout
             raise ValueError(f"k must have at least layout.capacity={layout.capacity} rows (one per compressed "
                              f"entry), got {k.shape[0]}")
         candidates = VisibleCompressed(layout, T)
+    elif not isinstance(layout, IndexSet):
+        raise TypeError(f"layout must be a CompressedLayout (pack.compressed(4)) or an IndexSet of candidate rows, "
+                        f"got {type(layout).__name__}")
     else:
         if layout.total_rows != T:
             raise ValueError(f"layout must cover the {T} rows of q, got an index set of {layout.total_rows} rows")

@@ -38,12 +38,14 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
         (T,) fp32 (fp64 for fp64 inputs) KL per row; 0 for rows with an empty S_t (incl. padding rows).
         The layer loss is ``coeff * kl.sum() / number_of_real_rows``.
     """
-    checks.check_tensor("index_q", index_q, dim=3)
+    F = checks.FLOATS
+    checks.check_tensor("index_q", index_q, dim=3, dtypes=F)
     T, Hi, Di = index_q.shape
-    checks.check_tensor("index_k", index_k, shape=(None, Di), device=index_q.device)
-    checks.check_tensor("index_weights", index_weights, shape=(T, Hi), device=index_q.device)
-    checks.check_tensor("q", q, shape=(T, None, None), device=index_q.device)
-    checks.check_tensor("compressed_kv", compressed_kv, shape=(index_k.shape[0], q.shape[2]), device=q.device)
+    checks.check_tensor("index_k", index_k, shape=(None, Di), dtypes=F, device=index_q.device)
+    checks.check_tensor("index_weights", index_weights, shape=(T, Hi), dtypes=F, device=index_q.device)
+    checks.check_tensor("q", q, shape=(T, None, None), dtypes=F, device=index_q.device)
+    checks.check_tensor("compressed_kv", compressed_kv, shape=(index_k.shape[0], q.shape[2]), dtypes=F,
+                        device=q.device)
     if (outside_lse is None) == (full_lse is None):
         raise ValueError("indexer_kl needs exactly one of outside_lse (mass outside S_t) and full_lse (each head's "
                          f"full denominator); got {'both' if outside_lse is not None else 'neither'}")
@@ -59,6 +61,8 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
         checks.check_tensor("candidates", candidates, shape=(T, None), dtypes=(torch.int32, torch.int64),
                             device=q.device)
         checks.check_index_range("candidates", candidates, index_k.shape[0])
+    elif not isinstance(candidates, IndexSet):
+        raise TypeError(f"candidates must be a (T, C) int torch.Tensor or an IndexSet, got {type(candidates).__name__}")
     elif candidates.total_rows != T:
         raise ValueError(f"candidates must cover the {T} rows of index_q, got {candidates.total_rows} rows")
     for name, t in (("index_q", index_q), ("index_k", index_k), ("index_weights", index_weights), ("q", q),

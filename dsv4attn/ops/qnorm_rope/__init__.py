@@ -45,7 +45,7 @@ def qnorm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     the reference rounds it to ``x.dtype`` before the norm backward.
     """
     _check(x, positions, inv_freq)
-    eps = float(eps)
+    eps = checks.check_eps(eps)
     with backend.exact_math(x.device):
         if backend.choose("qnorm_rope", x.device) == "triton":
             return backend.kernel("qnorm_rope")(x, positions, inv_freq, eps)
