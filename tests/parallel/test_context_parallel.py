@@ -283,7 +283,10 @@ def _absent_peer_worker(rank, world, init_file, result_dir):
             assert "Backend error:" in str(err.value) and layer.indexer_loss is None
             report += f"\n{time.monotonic() - start:.1f}"
         else:
-            time.sleep(20)                                   # alive, not calling: a rank stuck in its own code
+            # Alive, not calling (a rank stuck in its own code) until rank 0 has reported, at most 30 s.
+            done, start = os.path.join(result_dir, "rank0.txt"), time.monotonic()
+            while not os.path.exists(done) and time.monotonic() - start < 30:
+                time.sleep(0.1)
         with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
             f.write(report)
     except Exception:
