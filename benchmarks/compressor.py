@@ -1,4 +1,5 @@
-"""Triton compressor pooling (docs/semantics.md, decision 4) on the GPU: correctness at V4-Flash shapes, then one timing table.
+"""Triton compressor pooling (docs/semantics.md, decision 4) on the GPU: correctness at V4-Flash shapes,
+then one timing table.
 
 Shapes (V4-Flash, hidden 4096): ratio 4 pools kv / gate of width 2 x 512, ratio 128 of width 512, bf16, fp32
 position bias; T packed rows in four documents of uneven lengths (every one leaves a tail) and 77 rows of capacity

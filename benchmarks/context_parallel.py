@@ -149,7 +149,8 @@ def main():
               "| halo MiB | all-gather MiB | max rel diff out | max rel diff dx |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for T, r, part, ms1, msn, p1, pn, halo, gathered, ey, edx in rows_out:
-            print(f"| {T} | {r} | {part} | {ms1:.1f} | {msn:.1f} | {msn / ms1:.2f} | {p1:.1f} | {pn:.1f} | {pn / p1:.2f} "
+            print(f"| {T} | {r} | {part} | {ms1:.1f} | {msn:.1f} | {msn / ms1:.2f} "
+                  f"| {p1:.1f} | {pn:.1f} | {pn / p1:.2f} "
                   f"| {halo / 2**20:.2f} | {gathered / 2**20:.2f} | {ey:.2e} | {edx:.2e} |")
     dist.destroy_process_group()
 

@@ -143,7 +143,8 @@ def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: st
 
         res = cudnn_bwd()
         ours = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, bwd_cfg)
-        agree = " ".join(f"{name} {((a.float() - res[name].float().reshape(a.shape)).norm() / a.float().norm()).item():.1e}"
+        agree = " ".join(f"{name} "
+                         f"{((a.float() - res[name].float().reshape(a.shape)).norm() / a.float().norm()).item():.1e}"
                          for name, a in zip(("dq", "dkv", "d_sink"), ours))
         ours_bwd_ms, cudnn_ms, ratios = paired_ms(bwd, cudnn_bwd)
         row("cudnn", "bwd", cudnn_ms, 2.5 * fwd_flop, peak_mib(cudnn_bwd))
@@ -297,7 +298,8 @@ def main() -> None:
         sys.path.insert(0, f"{args.cudnn}/cudnn_b")
         from load_cudnn_dsa import load as load_cudnn
         cudnn = load_cudnn(f"{args.cudnn}/cudnn_b")
-    log("| impl op | shape | ms (median) | TFLOP/s | / 782 peak | peak MiB | mem/io | x peer (FlashMLA fwd, cuDNN bwd) |")
+    log("| impl op | shape | ms (median) | TFLOP/s | / 782 peak | peak MiB | mem/io "
+        "| x peer (FlashMLA fwd, cuDNN bwd) |")
     log("|---|---|---|---|---|---|---|---|")
     for heads in args.H:
         for T in args.T:

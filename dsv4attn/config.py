@@ -1,8 +1,9 @@
 """AttentionConfig: the hyper-parameters of one DeepSeek-V4 hybrid attention stack.
 
 Field names follow Hugging Face ``transformers.DeepseekV4Config`` so that a config can be read from a released
-``config.json`` (see :meth:`AttentionConfig.from_hf`). Presets mirror the released models (docs/semantics.md, decision 2):
-``flash()`` (V4-Flash), ``pro()`` (V4-Pro) and ``tiny()`` (CPU tests and the small training job).
+``config.json`` (see :meth:`AttentionConfig.from_hf`). Presets mirror the released models
+(docs/semantics.md, decision 2): ``flash()`` (V4-Flash), ``pro()`` (V4-Pro) and ``tiny()`` (CPU tests and the small
+training job).
 """
 from __future__ import annotations
 

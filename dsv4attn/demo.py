@@ -40,7 +40,8 @@ def main(argv=None) -> None:
             ms = (time.perf_counter() - start) * 1e3
             loss = "-" if layer.indexer_loss is None else f"{float(layer.indexer_loss):.3e}"
             padding_zero = bool((y[real:] == 0).all() and (xi.grad[real:] == 0).all())
-            print(f"{name:<8} {phase:<7} {float(y.detach().norm()):>9.3f} {loss:>13} {str(padding_zero):>10} {ms:>11.1f}")
+            print(f"{name:<8} {phase:<7} {float(y.detach().norm()):>9.3f} {loss:>13} {str(padding_zero):>10} "
+                  f"{ms:>11.1f}")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 A packed batch holds ``T`` rows: documents back to back (``cu_seqlens[b] .. cu_seqlens[b+1]``), then capacity
 padding rows ``cu_seqlens[-1] .. T``. Empty documents (``cu_seqlens[b] == cu_seqlens[b+1]``) are legal.
-Everything position-dependent resets at each document start (docs/packing.md, "What resets at each document start"): RoPE positions,
-the sliding window, compressor groups (a tail shorter than the ratio makes no entry), compressed visibility
-and top-k candidates.
+Everything position-dependent resets at each document start (docs/packing.md, "What resets at each document start"):
+RoPE positions, the sliding window, compressor groups (a tail shorter than the ratio makes no entry), compressed
+visibility and top-k candidates.
 
 :func:`pack_batch` validates the metadata (``cu_seqlens`` and ``max_seqlen``) once per batch, always, with one
 host read of ``cu_seqlens`` (:func:`dsv4attn.checks.check_batch`); nothing derived from a pack afterwards reads a

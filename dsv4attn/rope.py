@@ -2,9 +2,9 @@
 
 RoPE acts on the *last* ``rope_dim`` channels of a vector; channel pairs ``(2i, 2i+1)`` of that slice rotate like a
 complex number by ``position * theta_i``; the leading channels pass through unchanged. The inverse rotates by
-``-position * theta_i``. Which table a layer uses depends only on its compress ratio (docs/semantics.md, invariant 9.2): ratio 0 is
-plain RoPE at ``rope_theta``; ratios 4 and 128 use ``compress_rope_theta`` with YaRN when ``rope_scaling`` is set,
-with the YaRN attention factor forced to 1 (cos/sin are never scaled).
+``-position * theta_i``. Which table a layer uses depends only on its compress ratio (docs/semantics.md, invariant 9.2):
+ratio 0 is plain RoPE at ``rope_theta``; ratios 4 and 128 use ``compress_rope_theta`` with YaRN when ``rope_scaling`` is
+set, with the YaRN attention factor forced to 1 (cos/sin are never scaled).
 
 Angles are computed in float64 (positions up to millions stay exact), the rotation in
 ``promote(x.dtype, float32)`` and the result is cast back to ``x.dtype`` (Hugging Face's convention).

@@ -1,7 +1,7 @@
 """Bad inputs to HybridAttention and to the functional ops raise an exception whose message names the argument
-(docs/semantics.md, decision 9; the API in README.md "Use a layer"); valid inputs raise nothing. Most tests run in the debug mode ("values", set by
-the fixture below); those about what the default mode does say so. Cross-device cu_seqlens is not testable on a CPU
-machine and is left out."""
+(docs/semantics.md, decision 9; the API in README.md "Use a layer"); valid inputs raise nothing. Most tests run in the
+debug mode ("values", set by the fixture below); those about what the default mode does say so. Cross-device cu_seqlens
+is not testable on a CPU machine and is left out."""
 from __future__ import annotations
 
 import re

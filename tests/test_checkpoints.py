@@ -1,6 +1,6 @@
-"""Checkpoint loading (docs/semantics.md, decisions 11 and 12): Hugging Face ``DeepseekV4Attention`` names and DeepSeek's
-released names load every tensor; missing / unexpected keys, shape mismatches and unloadable values (not a tensor, not
-floating point, on the meta device) are reported by name, all before anything is copied; fp32
+"""Checkpoint loading (docs/semantics.md, decisions 11 and 12): Hugging Face ``DeepseekV4Attention`` names and
+DeepSeek's released names load every tensor; missing / unexpected keys, shape mismatches and unloadable values (not a
+tensor, not floating point, on the meta device) are reported by name, all before anything is copied; fp32
 parameters (sinks, compressor positional biases) stay fp32 and keep their values under a bf16 cast."""
 from __future__ import annotations
 

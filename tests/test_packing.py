@@ -1,5 +1,5 @@
-"""pack_batch / PackedBatch / CompressedLayout against plain python loops over the documents (docs/semantics.md, decisions 3, 4, 9;
-docs/packing.md)."""
+"""pack_batch / PackedBatch / CompressedLayout against plain python loops over the documents
+(docs/semantics.md, decisions 3, 4, 9; docs/packing.md)."""
 from __future__ import annotations
 
 import pytest
@@ -101,7 +101,8 @@ def test_window_start(padding, window):
     _, _, start, real = loop_rows(LENGTHS, T)
     want = [max(start[t], t - window + 1) for t in range(T)]
     assert_list(pack.window_start(window), want, "window_start")
-    # docs/semantics.md, decision 3: query at position p sees raw rows p-w+1 .. p, both inclusive, clipped at the document start.
+    # docs/semantics.md, decision 3: query at position p sees raw rows p-w+1 .. p, both inclusive, clipped at the
+    # document start.
     idx = Window(pack, window).materialize()
     for t in range(T):
         got = sorted(i for i in idx[t].tolist() if i >= 0)

@@ -1,4 +1,5 @@
-"""The public surface listed in README.md ("Use a layer", "Context parallelism", "Tensor parallelism") exists with the documented signatures (extend, never rename)."""
+"""The public surface listed in README.md ("Use a layer", "Context parallelism", "Tensor parallelism") exists with the
+documented signatures (extend, never rename)."""
 from __future__ import annotations
 
 import inspect

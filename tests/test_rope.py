@@ -16,7 +16,8 @@ def plain_reference(rope_dim, base):
 
 
 def yarn_low_high(rope_dim, base, original, beta_fast=32.0, beta_slow=1.0):
-    """docs/semantics.md ("RoPE and YaRN"): D(n) = d_r ln(L_orig / (2 pi n)) / (2 ln B); low = floor(D(b_fast)), high = ceil(D(b_slow))."""
+    """docs/semantics.md ("RoPE and YaRN"): D(n) = d_r ln(L_orig / (2 pi n)) / (2 ln B); low = floor(D(b_fast)),
+    high = ceil(D(b_slow))."""
     def dim_of(n):
         return rope_dim * math.log(original / (2 * math.pi * n)) / (2 * math.log(base))
     low = max(math.floor(dim_of(beta_fast)), 0)
@@ -85,8 +86,9 @@ def test_yarn_frequencies_match_formula(scaling):
 
 
 def test_yarn_low_equals_high_gets_epsilon():
-    # original 5: D(beta_slow) in (-1, 0] and D(beta_fast) < 0, so low == high == 0 and docs/semantics.md ("RoPE and YaRN") uses
-    # high = 0.001: pair 0 keeps its frequency, every other pair is divided by the factor (no division by zero).
+    # original 5: D(beta_slow) in (-1, 0] and D(beta_fast) < 0, so low == high == 0 and docs/semantics.md ("RoPE and
+    # YaRN") uses high = 0.001: pair 0 keeps its frequency, every other pair is divided by the factor (no division by
+    # zero).
     assert yarn_low_high(ROPE_DIM, 160000.0, 5) == (0, 0)
     got = rope_frequencies(ROPE_DIM, 160000.0, yarn(8.0, 5))
     plain = torch.tensor(plain_reference(ROPE_DIM, 160000.0), dtype=torch.float64)

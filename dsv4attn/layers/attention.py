@@ -113,7 +113,8 @@ class HybridAttention(KeepFp32Params):
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def load_hf_state_dict(self, state_dict, strict: bool = True):
-        """Load Hugging Face ``DeepseekV4Attention`` names or DeepSeek's released names (docs/semantics.md, decision 12).
+        """Load Hugging Face ``DeepseekV4Attention`` names or DeepSeek's released names
+        (docs/semantics.md, decision 12).
 
         Every key, shape and dtype (a floating-point tensor; its values are cast to the parameter's dtype) is
         checked before anything is copied: a refused state dict leaves the layer unchanged. Returns
@@ -131,14 +132,17 @@ class HybridAttention(KeepFp32Params):
             cu_seqlens: (N+1,) int32 document boundaries of the *global* batch; ``None`` = one document (or the
                 pack's). Validated here (one host read of its N+1 values) unless ``pack`` is given.
             max_seqlen: host int >= the longest document (``None`` computes it from the same read).
-            phase: ``"dense"`` | ``"warmup"`` | ``"sparse"`` (docs/semantics.md, decision 8; only ratio-4 layers behave differently).
-            cp_group: a torch.distributed process group for context parallelism (docs/semantics.md, decision 10), or None.
+            phase: ``"dense"`` | ``"warmup"`` | ``"sparse"`` (docs/semantics.md, decision 8; only ratio-4 layers behave
+                differently).
+            cp_group: a torch.distributed process group for context parallelism
+                (docs/semantics.md, decision 10), or None.
             pack: a prebuilt :func:`dsv4attn.packing.pack_batch` of the global batch, shared by all layers (built
                 and validated once per batch; the layer then reads nothing). A pack built with ``cp_group`` carries
                 the group, partition and frames: ``layer(x_local, pack=pack, phase=...)`` is the whole call, with no
                 per-layer agreement (passing another ``cp_group`` / ``cp_partition`` with it raises).
-                ``cu_seqlens`` / ``max_seqlen`` may be passed too if they are the pack's: ``pack.cu_seqlens`` itself is free, another tensor with
-                the same values costs one host read on first use (remembered by the pack), anything else raises.
+                ``cu_seqlens`` / ``max_seqlen`` may be passed too if they are the pack's: ``pack.cu_seqlens`` itself is
+                free, another tensor with the same values costs one host read on first use (remembered by the pack),
+                anything else raises.
             cp_partition: which rows each rank holds, ``"contiguous"`` (the default under CP) or ``"head_tail"``
                 (:mod:`dsv4attn.parallel.partition`); the same on every rank and in ``shard``/``unshard``. Only with
                 ``cp_group`` (or, equal to its own, with a CP pack).
@@ -175,7 +179,8 @@ class HybridAttention(KeepFp32Params):
 
     @property
     def halo_rows(self) -> int:
-        """Rows of hidden states a context-parallel chunk needs from the chunk left of it (docs/semantics.md, decision 10)."""
+        """Rows of hidden states a context-parallel chunk needs from the chunk left of it
+        (docs/semantics.md, decision 10)."""
         return halo_rows(self.config, self.compress_ratio)
 
     def _forward_frame(self, x, x_keys, frame, phase):
@@ -206,7 +211,8 @@ class HybridAttention(KeepFp32Params):
         train_indexer = self.indexer is not None and self.training and torch.is_grad_enabled()
         if self.indexer is not None:
             if phase == "dense":
-                if train_indexer:  # indexer not run; its parameters still get exact-zero gradients (docs/semantics.md, decision 8)
+                if train_indexer:  # indexer not run; its parameters still get exact-zero gradients
+                                   # (docs/semantics.md, decision 8)
                     loss = sum(p.sum() for p in self.indexer.parameters()) * 0.0
             else:
                 index_q, index_k, index_w = self.indexer(x.detach(), qr.detach(), pos_q, x_keys.detach(), owned,
@@ -227,7 +233,8 @@ class HybridAttention(KeepFp32Params):
                                       Explicit(topk, bound=index_k.shape[0]), pack, full_lse=full_lse)
         if loss is not None:
             out = AttachLoss.apply(out, loss)
-        out = inverse_rope(out, pos_q, inv_freq)   # out of place: never a view of `out` (docs/semantics.md, invariant 9.1)
+        out = inverse_rope(out, pos_q, inv_freq)   # out of place: never a view of `out`
+                                                   # (docs/semantics.md, invariant 9.1)
         G = self.local_groups                      # this rank's heads make exactly these groups
         grouped = self.o_a_proj(out.reshape(T, G, self.local_heads * D // G))
         y = tp.reduce(self.o_b_proj(grouped.reshape(T, G * c.o_lora_rank)))   # partial sums -> the full output
@@ -250,7 +257,8 @@ class HybridAttention(KeepFp32Params):
         c = self.config
         qr = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(self.tp.copy(qr)).view(x.shape[0], self.local_heads, c.head_dim)
-        return qr, qnorm_rope(q, positions, inv_freq, c.rms_norm_eps)   # per-head RMSNorm, then RoPE (docs/semantics.md, "Query path")
+        return qr, qnorm_rope(q, positions, inv_freq, c.rms_norm_eps)   # per-head RMSNorm, then RoPE
+                                                                        # (docs/semantics.md, "Query path")
 
     @torch.no_grad()
     def _outside_lse(self, q, kv, window):
@@ -289,8 +297,8 @@ class HybridAttention(KeepFp32Params):
 
     def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, candidates, pack, full_lse=None):
         """coeff * sum_t KL_t / real rows of the global batch (under CP this rank's share). Teacher operands are
-        detached (docs/semantics.md, invariant 9.9); ``candidates`` is the top-k (sparse teacher, with the attention's ``full_lse``) or every
-        visible entry (warm-up: the window + sink mass is computed here)."""
+        detached (docs/semantics.md, invariant 9.9); ``candidates`` is the top-k (sparse teacher, with the attention's
+        ``full_lse``) or every visible entry (warm-up: the window + sink mass is computed here)."""
         outside_lse = None if full_lse is not None else self._outside_lse(q, kv, window)
         # Under tensor parallelism q holds this rank's heads: head_sum adds the other ranks' teacher mass.
         kl = indexer_kl(index_q, index_k, index_w, q.detach(), compressed.detach(), candidates, outside_lse,

@@ -40,7 +40,8 @@ except ImportError:                     # pragma: no cover
 
 
 class KeepFp32Params(nn.Module):
-    """Parameters named in ``_fp32_params`` stay (at least) fp32 when the module is cast (docs/semantics.md, decision 11).
+    """Parameters named in ``_fp32_params`` stay (at least) fp32 when the module is cast
+    (docs/semantics.md, decision 11).
 
     ``module.to(torch.bfloat16)`` / ``.half()`` would otherwise round them; the original values are kept, moved to
     the new device, in fp32 (fp64 when the module is cast to fp64, for float64 checks).
@@ -140,7 +141,8 @@ class _GroupedMatmul(torch.autograd.Function):
 class AttachLoss(torch.autograd.Function):
     """Identity on ``out``; its backward also feeds gradient 1 into ``loss`` (Megatron's loss auto-scaler).
 
-    This makes an ordinary ``lm_loss.backward()`` train the indexer through its own loss (docs/semantics.md, decision 7).
+    This makes an ordinary ``lm_loss.backward()`` train the indexer through its own loss
+    (docs/semantics.md, decision 7).
     """
 
     @staticmethod

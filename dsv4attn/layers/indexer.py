@@ -10,7 +10,8 @@ from .compressor import Compressor
 
 
 class Indexer(nn.Module):
-    """Produces what the indexer scores are made of; the caller passes *detached* inputs (docs/semantics.md, invariant 9.9).
+    """Produces what the indexer scores are made of; the caller passes *detached* inputs
+    (docs/semantics.md, invariant 9.9).
 
     Returns ``(index_q (T, Hi, Di), index_k (capacity, Di), index_weights (T, Hi))``: queries from the normalised
     low-rank query ``qr`` with RoPE at the row position, keys from its own ratio-4 compressor at ``Di``, weights

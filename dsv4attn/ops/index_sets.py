@@ -2,13 +2,15 @@
 
 An index set answers ``rows(start, end) -> (end - start, width) int64``: for each query row in ``[start, end)``
 the rows of a key tensor it may attend to, ``-1`` for an empty slot. Order inside a row does not matter (one
-softmax over the set); a repeated index counts once per occurrence. Sets combine with :class:`Concat` (disjoint key ranges, e.g.
-raw window rows followed by compressed rows at an offset) and :class:`Stack` (consecutive query ranges).
+softmax over the set); a repeated index counts once per occurrence. Sets combine with :class:`Concat` (disjoint key
+ranges, e.g. raw window rows followed by compressed rows at an offset) and :class:`Stack` (consecutive query ranges).
 
 - :class:`Explicit`: a materialised (T, K) tensor (what ``sparse_attention(indices=...)`` takes, FlashMLA style).
-- :class:`Window`: raw rows ``max(doc start, t - window + 1) .. t`` (docs/semantics.md, decision 3: both ends inclusive).
+- :class:`Window`: raw rows ``max(doc start, t - window + 1) .. t``
+  (docs/semantics.md, decision 3: both ends inclusive).
 - :class:`VisibleCompressed`: every compressed entry of the row's document with ``j < floor((t+1)/r)``
-  (docs/semantics.md, decision 4), i.e. HCA and the dense CSA phase; width ``max_seqlen // r`` but built one chunk at a time.
+  (docs/semantics.md, decision 4), i.e. HCA and the dense CSA phase; width ``max_seqlen // r``
+  but built one chunk at a time.
 
 Every set has a host-int ``bound``: each valid row it yields is ``< bound`` (``None``: not known on the host, e.g.
 an :class:`Explicit` tensor of a caller). The ops use it to skip any range work for sets that provably fit their

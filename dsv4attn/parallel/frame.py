@@ -3,9 +3,9 @@
 A frame lists the *segments* of global query rows this process answers (one on a single device or under the
 contiguous partition, two under head-tail), each with the rows ``[key_start, end)`` whose raw KV it computes (a
 left halo under CP); locally the keys are ``[halo_0 ; segment_0 ; halo_1 ; segment_1]``. Per compress ratio it
-knows the compressed entries this process computes (those whose group ends in one of its segments: docs/semantics.md, decision 10's
-ownership) and how to reach every entry after they are gathered. On one device the frame is the whole batch and
-gathering is the identity.
+knows the compressed entries this process computes (those whose group ends in one of its segments:
+docs/semantics.md, decision 10's ownership) and how to reach every entry after they are gathered. On one device the
+frame is the whole batch and gathering is the identity.
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 
 def as_tp_group(tp_group):
-    """A ProcessGroup, or a 1-D DeviceMesh (its group), or None; anything else raises a TypeError naming ``tp_group``."""
+    """A ProcessGroup, or a 1-D DeviceMesh (its group), or None; anything else raises a TypeError naming
+    ``tp_group``."""
     if tp_group is None:
         return None
     if hasattr(tp_group, "get_group") and hasattr(tp_group, "ndim"):

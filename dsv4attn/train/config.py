@@ -34,7 +34,8 @@ class TrainConfig:
     model: str = option("tiny", "model preset: tiny (CPU, minutes) or small (GPU throughput)")    # model.PRESETS
     ratios: tuple[int, ...] = option(DEFAULT_RATIOS, "comma-separated compress ratio of each layer: 0 window, "
                                                      "4 CSA, 128 HCA")
-    indexer_loss_coeff: float = option(0.01, "coefficient of the indexer KL loss")     # lambda, docs/semantics.md decision 7
+    indexer_loss_coeff: float = option(0.01, "coefficient of the indexer KL loss")     # lambda,
+                                                                                       # docs/semantics.md decision 7
     # data
     data: str | None = option(None, "UTF-8 text file or folder of them (byte-level); default: the built-in "
                                     "retrieval task")

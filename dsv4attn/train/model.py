@@ -110,9 +110,9 @@ class DecoderLM(nn.Module):
     by every layer. With ``captured`` (a list), each
     block appends ``(attention_layer, attention_input)`` for evaluation probes.
 
-    Context parallelism (``cp_group``, ``cp_partition``; docs/semantics.md, decision 10): every rank of the group passes the same
-    *global* batch (``tokens`` of all T rows, global ``cu_seqlens``) and gets the logits of its own rows (T / cp
-    of them, in the order of :func:`dsv4attn.train.distributed.local_rows`). Embedding, norms, MLP and head are
+    Context parallelism (``cp_group``, ``cp_partition``; docs/semantics.md, decision 10): every rank of the group passes
+    the same *global* batch (``tokens`` of all T rows, global ``cu_seqlens``) and gets the logits of its own rows (T /
+    cp of them, in the order of :func:`dsv4attn.train.distributed.local_rows`). Embedding, norms, MLP and head are
     per row; the attention layers exchange what they need. ``captured`` then holds this rank's attention inputs.
 
     Tensor parallelism (``tp_group``, docs/tensor_parallel.md): the attention layers hold their rank's heads; every

@@ -36,7 +36,8 @@ def plot_curves(metrics_path: Path, png_path: Path, cfg, topk: int) -> Path:
         (axes[0, 1], "retrieval accuracy (held-out)", [("held-out", evals, "retrieval_acc")]),
         (axes[1, 0], "indexer loss (sum over CSA layers)", [("train", train, "indexer_loss"),
                                                              ("held-out", evals, "indexer_loss")]),
-        (axes[1, 1], f"indexer recall@{topk} vs teacher top-{topk} (held-out)", [("held-out", evals, "indexer_recall")]),
+        (axes[1, 1], f"indexer recall@{topk} vs teacher top-{topk} (held-out)",
+         [("held-out", evals, "indexer_recall")]),
     ]
     for ax, title, series in panels:
         _shade_phases(ax, cfg)

@@ -2,8 +2,8 @@
 
 Contract of :func:`setup`: everything that can be checked (options, data path, world size, resume compatibility,
 output directory) is checked *before* anything is written, so a bad option leaves no trace; only then does rank 0
-remove the run that ``--overwrite`` replaces and open the run folder. The model is seeded before it is built, then the resumed
-checkpoint (if any) replaces its weights, the optimizer state and the RNGs, so a run is a pure function of its
+remove the run that ``--overwrite`` replaces and open the run folder. The model is seeded before it is built, then the
+resumed checkpoint (if any) replaces its weights, the optimizer state and the RNGs, so a run is a pure function of its
 :class:`TrainConfig` and ``--resume`` continues it bit for bit.
 """
 from __future__ import annotations
@@ -125,8 +125,8 @@ def setup(cfg: TrainConfig) -> Setup:
         model, device_ids=[device.index] if device.type == "cuda" else None,
         process_group=par.dp_group) if par.dp > 1 and not sharded else model
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
-    # Replica 0 evaluates (all its CP and TP ranks: they split each batch or its heads); under FSDP every rank (each forward gathers
-    # the parameters from all of them), on the same batches; rank 0 logs.
+    # Replica 0 evaluates (all its CP and TP ranks: they split each batch or its heads); under FSDP every rank (each
+    # forward gathers the parameters from all of them), on the same batches; rank 0 logs.
     eval_batches = [source.batch(cfg.seed, EVAL, i, cfg.capacity).padded_to(cfg.batch_rows)
                     for i in range(cfg.eval_batches)] if par.dp_rank == 0 or sharded else []
 
@@ -143,5 +143,5 @@ def setup(cfg: TrainConfig) -> Setup:
              "resumed_from": str(loaded.path) if loaded else None, "resume_notes": loaded.notes if loaded else [],
              "dropped_records": run.dropped_records, "params": tensor.full_numel(model)})
     return Setup(cfg=cfg, mcfg=mcfg, device=device, par=par, own_group=own_group, source=source, model=model,
-                 optimizer=optimizer, step_model=step_model, sharded=sharded, autocast=autocast, eval_batches=eval_batches,
-                 loaded=loaded, start=start, run=run)
+                 optimizer=optimizer, step_model=step_model, sharded=sharded, autocast=autocast,
+                 eval_batches=eval_batches, loaded=loaded, start=start, run=run)

@@ -48,7 +48,8 @@ def loss_and_grads(step_model, model: DecoderLM, batch, phase: str, cp_group=Non
         logits = step_model(batch.tokens, batch.cu_seqlens, batch.max_seqlen, phase, cp_group=cp_group,
                             cp_partition=cp_partition)
         loss = lm_loss(logits, distributed.local_rows(batch.targets, cp_group, cp_partition), batch.num_targets)
-    loss.backward()                              # the indexer loss rides along inside the layers (docs/semantics.md, decision 7)
+    loss.backward()                              # the indexer loss rides along inside the layers
+                                                 # (docs/semantics.md, decision 7)
     distributed.sum_gradients(model.parameters(), cp_group)
     idx_loss = model.indexer_loss()
     shares = loss.detach().reshape(1) if idx_loss is None else torch.stack([loss.detach(), idx_loss.to(loss.dtype)])

@@ -111,8 +111,8 @@ def test_zero_coefficient_gives_exact_zero_indexer_gradients(phase):
 
 
 def test_dense_phase_gives_indexer_exact_zero_gradients():
-    """docs/semantics.md, decision 8: in the dense phase the indexer does not run, yet its parameters get zero gradients, so
-    optimizer state is identical in every phase."""
+    """docs/semantics.md, decision 8: in the dense phase the indexer does not run, yet its parameters get zero
+    gradients, so optimizer state is identical in every phase."""
     layer = make_layer(4)
     calls = []
     layer.indexer.register_forward_hook(lambda *a: calls.append(1))
@@ -175,7 +175,8 @@ def test_inverse_rope_does_not_alias_the_attention_output(monkeypatch):
 
 
 def test_fp32_parameters_stay_fp32_under_bf16_cast():
-    """docs/semantics.md, decision 11: sinks and both compressors' positional biases stay fp32 (values intact) after .to(bf16)."""
+    """docs/semantics.md, decision 11: sinks and both compressors' positional biases stay fp32 (values intact) after
+    .to(bf16)."""
     layer = randomize_(dsv4attn.HybridAttention(dsv4attn.AttentionConfig.tiny(), 4))
     names = ["sinks", "compressor.position_bias", "indexer.compressor.position_bias"]
     before = {n: dict(layer.named_parameters())[n].detach().clone() for n in names}

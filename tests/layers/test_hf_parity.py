@@ -1,12 +1,13 @@
-"""Forward parity with Hugging Face transformers' DeepseekV4Attention (the independent oracle, docs/semantics.md, decision 1).
+"""Forward parity with Hugging Face transformers' DeepseekV4Attention (the independent oracle,
+docs/semantics.md, decision 1).
 
 HF runs one document at a time (batch 1, positions from 0, eager attention with a sliding-window causal mask of the
 configured window); dsv4attn runs the whole ragged pack in one call. Both in float64.
 Tolerance: HF computes RMSNorm statistics, the compressor gate softmax, the indexer scores and RoPE angles in
 fp32 even for float64 inputs, so agreement is at fp32 level: |diff| <= 2e-6 * max|HF output| (measured ~1.5e-7).
 Top-k ties: with few indexer heads, scores of exactly 0 (every head's ReLU is 0) tie often, and HF's torch.topk
-breaks ties arbitrarily while dsv4attn keeps the lower index (docs/semantics.md, decision 6). The sparse parity runs therefore use
-16 indexer heads, where an exact tie at the top-k cut has probability ~2^-16 per pair; tie order itself is
+breaks ties arbitrarily while dsv4attn keeps the lower index (docs/semantics.md, decision 6). The sparse parity runs
+therefore use 16 indexer heads, where an exact tie at the top-k cut has probability ~2^-16 per pair; tie order itself is
 tested in tests/ops.
 """
 from __future__ import annotations

@@ -70,8 +70,8 @@ CASES = {
     "bf16-causal-topk-default-tiles": _case("bf16", kind="causal", T=CAUSAL_T, K=20),
     "bf16-causal-topk-multi-block": _case("bf16", kind="causal", T=CAUSAL_T, K=20, fwd=MULTI_BLOCK),
     "bf16-ragged-like-h200-test-default-tiles": _case("bf16", kind="visible", lengths=RAGGED_GPU),
-    "bf16-ragged-like-h200-test-multi-block-recompute": _case("bf16", kind="visible", lengths=RAGGED_GPU, fwd=MULTI_BLOCK,
-                                                     save_g=False, bwd_n=16),
+    "bf16-ragged-like-h200-test-multi-block-recompute": _case("bf16", kind="visible", lengths=RAGGED_GPU,
+                                                     fwd=MULTI_BLOCK, save_g=False, bwd_n=16),
     "fp32-topk-full-denominator": _case("fp32", K=36, Nc=50, fwd=MULTI_BLOCK, full=True),
     "bf16-topk-full-denominator": _case("bf16", K=36, Nc=50, fwd=MULTI_BLOCK, full=True),
     "bf16-topk-full-denominator-recompute-bwd": _case("bf16", save_g=False, bwd_n=16, K=36, Nc=50, fwd=MULTI_BLOCK,
@@ -268,7 +268,8 @@ def _mass_given_check(klt) -> dict:
         # Equal infinities (the student LSE of an empty row is -inf) count as equal; magnitudes over finite entries.
         for name, a, b in zip(names, own, given):
             result[f"{name}-{'g' if save_g else 'no-g'}"] = dict(
-                diff=torch.where(a == b, 0.0, a - b).abs().max().item(), magnitude=a[torch.isfinite(a)].abs().max().item())
+                diff=torch.where(a == b, 0.0, a - b).abs().max().item(),
+                magnitude=a[torch.isfinite(a)].abs().max().item())
     # The given mass is really what the kernel uses: a different one changes the loss.
     doubled = klt._kl_forward(operands, full, chunks, idx.shape[1], scale, True, fwd, True, mass * mass)[0]
     result["other_mass_changes_kl"] = bool((doubled - own[0]).abs().max() > 1e-3)
@@ -468,7 +469,8 @@ def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, monke
     given = _with_full_lse(inputs) if full else inputs
     gluon_expected = full == "gluon" and gluon_hopper.available(inputs[3])
     if full == "triton":
-        monkeypatch.setattr(variants, "FAILED", {("indexer_kl", "teacher_mass", (512, torch.bfloat16)): "forced off by the test"})
+        monkeypatch.setattr(variants, "FAILED",
+                            {("indexer_kl", "teacher_mass", (512, torch.bfloat16)): "forced off by the test"})
     calls = []
     real_mass = gluon_hopper.teacher_mass
     monkeypatch.setattr(gluon_hopper, "teacher_mass", lambda *a, **k: calls.append(1) or real_mass(*a, **k))
@@ -557,7 +559,8 @@ def test_gluon_teacher_mass_dispatch(monkeypatch):
 @pytest.mark.parametrize("gluon", [1, 0], ids=["gluon-bwd", "triton-bwd"])
 def test_gpu_sparse_backward_kernels_match_float64_reference(gluon, monkeypatch):
     """The saved-gradient backward (sparse phase) by the Gluon kernel where it applies (KERNEL="auto" on SM90; the test
-    checks that it ran exactly there) and by the Triton kernel (KERNEL="triton"): both within the bounds against float64."""
+    checks that it ran exactly there) and by the Triton kernel (KERNEL="triton"): both within the bounds against
+    float64."""
     from dsv4attn.ops.indexer_loss import gluon_hopper as gluon_kl
     from dsv4attn.ops.indexer_loss import triton as klt
     from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
@@ -572,7 +575,9 @@ def test_gpu_sparse_backward_kernels_match_float64_reference(gluon, monkeypatch)
     calls = []
     real = gluon_kl.launch_bwd
     monkeypatch.setattr(gluon_kl, "launch_bwd", lambda *a, **k: calls.append(1) or real(*a, **k))
-    kernel = _run(lambda *a: klt.indexer_kl_triton(*a, bwd_config=dict(klt.BWD_CONFIG, KERNEL="auto" if gluon else "triton")), inputs)
+    kernel = _run(lambda *a: klt.indexer_kl_triton(*a, bwd_config=dict(klt.BWD_CONFIG,
+                                                                       KERNEL="auto" if gluon else "triton")),
+                  inputs)
     assert bool(calls) == expected and not variants.FAILED, variants.FAILED
     measured = _compare(kernel, _run(indexer_kl_reference, inputs), _run(indexer_kl_reference, inputs, widen=True))
     _assert_within_bounds("sparse-T4096", measured, low_precision=True)

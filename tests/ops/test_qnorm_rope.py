@@ -11,8 +11,9 @@ error of the reference run in the same dtype, both against the float64 reference
 the fp32 reference (the current layer path). Positions come from a ragged pack (tests/packs.py) or, for the
 ``long`` cases, are spread up to ~10^5 with YaRN frequencies (large angles: float64 angles matter).
 
-In-process tests cover the argument checks, the float64 fallback and the no-alias invariant (docs/semantics.md, invariant 9.1) on the
-reference path; GPU tests (skipped without CUDA) run the Flash geometry: T = 8192, H = 64, D = 512, rope_dim 64.
+In-process tests cover the argument checks, the float64 fallback and the no-alias invariant
+(docs/semantics.md, invariant 9.1) on the reference path; GPU tests (skipped without CUDA) run the Flash geometry:
+T = 8192, H = 64, D = 512, rope_dim 64.
 """
 from __future__ import annotations
 

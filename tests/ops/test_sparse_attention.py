@@ -1,7 +1,7 @@
 """sparse_attention (custom autograd, chunked) vs sparse_attention_naive (plain autograd) vs a scalar-loop oracle.
 
-docs/semantics.md, decision 5: one softmax per (row, head) over the listed keys plus the sink logit (denominator only, value 0),
-``lse`` excludes the sink, a row with no valid key outputs 0 (never NaN).
+docs/semantics.md, decision 5: one softmax per (row, head) over the listed keys plus the sink logit (denominator only,
+value 0), ``lse`` excludes the sink, a row with no valid key outputs 0 (never NaN).
 """
 from __future__ import annotations
 
@@ -296,7 +296,8 @@ def test_deterministic():
 
 
 def test_empty_row_with_minus_inf_sink_gives_zero_not_nan():
-    """docs/semantics.md, decision 5: a row with no valid key outputs 0, even when the sink is -inf (0/0 must not leak)."""
+    """docs/semantics.md, decision 5: a row with no valid key outputs 0, even when the sink is -inf (0/0 must not
+    leak)."""
     torch.manual_seed(11)
     q = torch.randn(3, 2, 8, dtype=torch.float64, requires_grad=True)
     kv = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)

@@ -273,7 +273,8 @@ def _stub_bwd(monkeypatch, gluon_error=None):
             raise gluon_error
 
     def triton_launch(kernel, grid_of, q, c, args):
-        launched.append(("DQ" if c.get("DO_DQ") else "") + ("DKV" if c.get("DO_DKV") else "") + ("-det" if c.get("DETERMINISTIC") else ""))
+        launched.append(("DQ" if c.get("DO_DQ") else "") + ("DKV" if c.get("DO_DKV") else "")
+                        + ("-det" if c.get("DETERMINISTIC") else ""))
 
     monkeypatch.setattr(variants, "FAILED", {})
     monkeypatch.setattr(variants, "_mode", "auto")
@@ -311,9 +312,11 @@ def test_default_backward_takes_the_one_pass_gluon_kernel_where_it_applies(monke
 
 def test_gluon_backward_build_failure_falls_back_to_the_triton_kernel_once(monkeypatch):
     launched, args = _stub_bwd(monkeypatch, PTXASError("this Triton cannot build the Gluon kernel"))
-    with pytest.warns(RuntimeWarning, match=r"Gluon sparse-attention backward kernel \(_sparse_attn_bwd_gluon\) could not be built for D=512"):
+    with pytest.warns(RuntimeWarning, match=r"Gluon sparse-attention backward kernel \(_sparse_attn_bwd_gluon\) "
+                                            r"could not be built for D=512"):
         sat._sparse_attn_bwd(*args)
-    assert launched == ["gluon (failed)", "DQ", "DKV"] and ("sparse_attention", "backward", (512, torch.bfloat16)) in variants.FAILED
+    assert (launched == ["gluon (failed)", "DQ", "DKV"]
+            and ("sparse_attention", "backward", (512, torch.bfloat16)) in variants.FAILED)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                                    # not tried again, no second warning
         sat._sparse_attn_bwd(*args)

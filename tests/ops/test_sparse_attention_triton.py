@@ -8,9 +8,9 @@ Bound (STYLE.md): kernel error <= 2x (out, lse) / 3x (dq, dkv, d_sink) the error
 same low dtype, both against the float64 reference on the same (rounded) inputs. The kernels' backward forms
 Delta = rowsum(dO * out) from the saved output in its own dtype, so the low-dtype reference's backward does too,
 from the same saved output and lse (``reference_backward(..., out=)`` given the kernel's forward results): the
-gradient bound compares one backward algorithm with itself on the same inputs, not two roundings of the forward; fp32 must be within 1e-5 of the
-largest magnitude. A small floor (1e-6 of the largest magnitude) absorbs fp32 summation-order noise where the
-reference's own error is ~0 (lse, exactly representable cases).
+gradient bound compares one backward algorithm with itself on the same inputs, not two roundings of the forward; fp32
+must be within 1e-5 of the largest magnitude. A small floor (1e-6 of the largest magnitude) absorbs fp32 summation-order
+noise where the reference's own error is ~0 (lse, exactly representable cases).
 
 Also checked here: ``deterministic=True`` (atomic-free backward: bitwise repeatable, equal to the atomic backward
 up to fp32 summation order, within the same bounds against float64; with several row chunks and head blocks) and

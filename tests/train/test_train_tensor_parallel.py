@@ -274,7 +274,8 @@ def test_bad_tp_values_are_refused_before_anything_runs(tmp_path, monkeypatch, c
     cases = [
         (["--tp", "0"], "--tp must be an int >= 1, got 0"),
         (["--tp", "3"], "--tp 3 must divide the attention heads and output groups of the model, but "
-                        "num_attention_heads (4) and o_groups (2) are not a multiple of 3; this model allows --tp 1, 2"),
+                        "num_attention_heads (4) and o_groups (2) are not a multiple of 3; "
+                        "this model allows --tp 1, 2"),
         (["--tp", "4"], "o_groups (2) is not a multiple of 4"),
         (["--tp", "2", "--fsdp"], "--fsdp does not compose with --tp 2 yet"),
     ]

@@ -52,8 +52,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # written and read once more: few groups keep that traffic small, enough groups keep the GPU busy. Benchmarks and
 # tests may pass others (benchmarks/compressor.py --sweep; fwd configs may add CHANNELS_FIRST=True).
 # The defaults are the fastest of benchmarks/compressor.py --sweep on the H200 at the Flash widths (BENCHMARKS.md,
-# "Compressor"): at ratio 4 whole 512-channel rows per program, at ratio 128 one 128-slot chunk per entry. The backwards hold 160-255 registers per thread (offline ptxas, sm_90),
-# which caps them at 8-12 warps per SM.
+# "Compressor"): at ratio 4 whole 512-channel rows per program, at ratio 128 one 128-slot chunk per entry. The backwards
+# hold 160-255 registers per thread (offline ptxas, sm_90), which caps them at 8-12 warps per SM.
 CONFIGS = {
     4: dict(fwd=dict(BLOCK_E=2, CHUNK=8, BLOCK_D=512, num_warps=4),
             bwd=dict(BLOCK_E=1, CHUNK=8, BLOCK_D=512, MAX_GROUPS=512, num_warps=4)),

@@ -150,7 +150,8 @@ if IMPORTED:
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_T_C, HEAD_DIM_C], dtype))
         full = mbarriers(STAGES, 1)          # one expect-tx arrival per TMA copy
         empty = mbarriers(STAGES, 2)
-        # The keys by this partition, before the split (a 40-register cp.async producer warpgroup spilled on these addresses).
+        # The keys by this partition, before the split (a 40-register cp.async producer warpgroup spilled on these
+        # addresses).
         _gather_keys(K, TABLE, shift, e0, needed, k_all.index(0), HAS_TABLE)
         async_copy.commit_group()
         async_copy.wait_group(0)

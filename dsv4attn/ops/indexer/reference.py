@@ -4,7 +4,8 @@
 already carries ``index_n_heads ** -0.5 * index_head_dim ** -0.5``. Candidates are the compressed entries of the
 row's own document that it may see (``j < floor((t+1)/4)``); the top-k keeps the ``min(k, visible)`` highest,
 ties broken by the lower index (a stable sort over candidates listed in increasing index order; a NaN score ranks
-above every number, so it is selected and propagates), and fills the remaining slots with -1. Top-k indices are not differentiable.
+above every number, so it is selected and propagates), and fills the remaining slots with -1. Top-k indices are not
+differentiable.
 """
 from __future__ import annotations
 

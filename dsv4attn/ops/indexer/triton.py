@@ -1,4 +1,5 @@
-"""Triton lightning-indexer scores + deterministic top-k (docs/semantics.md, decision 6) over contiguous candidate ranges.
+"""Triton lightning-indexer scores + deterministic top-k (docs/semantics.md, decision 6) over contiguous
+candidate ranges.
 
 Same contract as :func:`.reference.indexer_topk_reference`. The fast path covers the candidate sets the layers
 use, where query row t sees the contiguous range of layout entries ``[first[t], first[t] + visible[t])``:

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..gluon_common import (IMPORTED, half_precision, sm90, async_copy, async_load, fence_async_shared, gather_rows, gl, gluon, mbarrier,
-                            mbarriers, warpgroup_mma)
+from ..gluon_common import (IMPORTED, half_precision, sm90, async_copy, async_load, fence_async_shared, gather_rows, gl,
+                            gluon, mbarrier, mbarriers, warpgroup_mma)
 
 HEADS, HEAD_DIM = 64, 128
 # BLOCK_N: key rows per tile; STAGES: ring depth (even: each consumer owns the stages of its parity); REGS: registers

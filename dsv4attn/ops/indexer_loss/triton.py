@@ -278,8 +278,8 @@ def _indexer_kl_fwd_kernel(
     DOT_S: tl.constexpr, FULL: tl.constexpr = False, MASS_GIVEN: tl.constexpr = False,
 ):
     # FULL2 (rows, H): log2 of each head's full denominator (FULL: the natural-log L itself). ROWSTAT (rows, 3):
-    # log2 of the student's LSE, max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; slots past NEND, the row's last valid slot + 1, are not written: the backward never reads them, the
-    # launcher zero-fills G).
+    # log2 of the student's LSE, max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; slots past NEND, the
+    # row's last valid slot + 1, are not written: the backward never reads them, the launcher zero-fills G).
     # FULL: OUTSIDE holds each head's full denominator L itself (natural log), so the teacher logits are formed
     # once (see _full_denominator_given_pass); MASS (rows, K) fp32 holds the teacher mass (scratch, or formed
     # beforehand with MASS_GIVEN) and G is scratch for the student scores even without SAVE_G.

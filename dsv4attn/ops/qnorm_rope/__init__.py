@@ -2,10 +2,10 @@
 
 ``qnorm_rope`` is steps 4-5 of the query path (docs/semantics.md, "Query path"): per-head unweighted RMSNorm, then
 interleaved partial RoPE on the last ``rope_dim`` channels. ``rope_rotate`` is that RoPE alone (the indexer's
-queries). ``inverse_rope`` is step 1 of "Output" in docs/semantics.md: the attention output rotated back by ``-angle`` at the query's
-position, out of place (docs/semantics.md, invariant 9.1). On CUDA each is one pass over the (T, H, D) tensor in the forward and one in
-the backward (``triton.py``); elsewhere, and for float64, the reference (``reference.py``: the layer's former code)
-runs.
+queries). ``inverse_rope`` is step 1 of "Output" in docs/semantics.md: the attention output rotated back by ``-angle``
+at the query's position, out of place (docs/semantics.md, invariant 9.1). On CUDA each is one pass over the (T, H, D)
+tensor in the forward and one in the backward (``triton.py``); elsewhere, and for float64, the reference
+(``reference.py``: the layer's former code) runs.
 """
 from __future__ import annotations
 

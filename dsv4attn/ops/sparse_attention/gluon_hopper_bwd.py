@@ -188,7 +188,8 @@ if IMPORTED:
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype)
         q_all = gl.allocate_shared_memory(dtype, [1, BLOCK_H_C, D], x_layout)
         do_all = gl.allocate_shared_memory(dtype, [1, BLOCK_H_C, D], x_layout)
-        ring = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
+        ring = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
         t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, BLOCK_N], dtype)
         p_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)
         ds_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)

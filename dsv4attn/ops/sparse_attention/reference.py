@@ -10,8 +10,9 @@ KV head (K == V)::
 
 Forward and backward run over query chunks, so memory is O(T * K * D / chunks) transient plus the saved inputs
 and outputs; the backward recomputes the probabilities from the saved ``lse`` (the kernels do the same):
-``dz = p * (dO.v - Delta)``, ``Delta = dO.out = sum_k p_k dO.v_k`` (in fp32), ``dq = scale * dz @ K``, ``dkv[k] += scale * dz^T q + p^T dO``,
-``d attn_sink[h] = -sum_t p_sink(t, h) * Delta(t, h)``. ``lse`` is not differentiable.
+``dz = p * (dO.v - Delta)``, ``Delta = dO.out = sum_k p_k dO.v_k`` (in fp32), ``dq = scale * dz @ K``,
+``dkv[k] += scale * dz^T q + p^T dO``, ``d attn_sink[h] = -sum_t p_sink(t, h) * Delta(t, h)``. ``lse`` is not
+differentiable.
 
 Always deterministic: every result is written once or summed in a fixed order. The dKV scatter is the only sum
 over an index: on the CPU ``index_add_`` adds sequentially; on CUDA (where ``index_add_`` uses float atomics) it is

@@ -5,11 +5,11 @@ Same contract as :func:`.reference.sparse_attention_reference`: for query row t 
 ``z = scale * q.kv``, ``lse = logsumexp(z)`` (fp32, excludes the sink, -inf when S_t is empty),
 ``p = exp(z - logaddexp(lse, sink))``, ``out = p @ kv`` (0 when S_t is empty).
 
-Forward layout (see docs/kernels.md and docs/performance.md): one program per (query row, head block, value-column slice). The heads
-of a block are the M dimension of every ``tl.dot`` tile (MQA: all heads share the gathered rows), the row's K indices
-are walked in blocks of ``BLOCK_N`` gathered kv rows. Scores need the full D contraction, so they are accumulated
-over ``BLOCK_DK`` column chunks; the value / gradient columns are split over ``D // BLOCK_DV`` programs so the
-fp32 accumulator stays ``BLOCK_H x BLOCK_DV`` (a 64 x 512 fp32 accumulator does not fit in registers). The
+Forward layout (see docs/kernels.md and docs/performance.md): one program per (query row, head block, value-column
+slice). The heads of a block are the M dimension of every ``tl.dot`` tile (MQA: all heads share the gathered rows), the
+row's K indices are walked in blocks of ``BLOCK_N`` gathered kv rows. Scores need the full D contraction, so they are
+accumulated over ``BLOCK_DK`` column chunks; the value / gradient columns are split over ``D // BLOCK_DV`` programs so
+the fp32 accumulator stays ``BLOCK_H x BLOCK_DV`` (a 64 x 512 fp32 accumulator does not fit in registers). The
 price is that each value slice recomputes the scores. At D = 512 one program owns all columns instead (FWD_CONFIGS).
 On SM90 GPUs the forward runs the warp-specialised Gluon kernel of :mod:`.gluon_hopper` by default (asynchronous
 row gathers by a producer warpgroup; the Triton pipeliner leaves these gathers synchronous); :mod:`dsv4attn.variants`
