@@ -1,7 +1,8 @@
 """Compressed memory under context parallelism: the all-gather the layers do today vs a sharded main KV (a model).
 
 Today every CP rank all-gathers a CSA layer's whole compressed state (main KV, D = 512, and indexer keys, Di = 128,
-both bf16) and reduce-scatters its gradients. The sharded alternative (not implemented): each rank keeps only the
+both bf16) and reduce-scatters its gradients. The sharded alternative (``pack_batch(..., cp_compressed="sharded")``,
+its bytes in the test runs counted in BENCHMARKS.md; modelled here): each rank keeps only the
 main-KV entries of its own rows, the narrow indexer keys stay all-gathered (every query scores every visible
 entry), and after top-k each rank fetches the selected main-KV rows it does not own, the backward sending their
 fp32 gradients back. Its cost is set by U, the number of distinct entries a rank's queries select.

@@ -84,6 +84,7 @@ class PackedBatch:
     # pack was built; the layers then take both from here and run no agreement of their own.
     cp_group: object = field(default=None, repr=False, compare=False)
     cp_partition: str | None = None
+    cp_compressed: str = "gather"   # how CSA layers reach other ranks' compressed main KV (pack_batch)
 
     def __post_init__(self) -> None:
         # Caches, built lazily: halo -> RowFrame, ratio -> CompressedLayout, id -> (tensor, equal). Attributes, not
@@ -135,7 +136,8 @@ class PackedBatch:
 
 
 def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int | None = None,
-               device: torch.device | None = None, *, cp_group=None, cp_partition: str | None = None) -> PackedBatch:
+               device: torch.device | None = None, *, cp_group=None, cp_partition: str | None = None,
+               cp_compressed: str = "gather") -> PackedBatch:
     """Build the :class:`PackedBatch` of a ``total_rows``-row batch, validating its metadata first.
 
     Args:
@@ -156,10 +158,27 @@ def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int
     per batch (one all-gather and one host read of its result; any difference raises the same ValueError on every
     rank), and the pack keeps the group and partition: ``layer(x_local, pack=pack, phase=...)`` then needs no
     other argument and runs no agreement of its own (docs/semantics.md, decision 10).
+
+    ``cp_compressed`` (with ``cp_group``; the ranks agree on it too) says how a ratio-4 (CSA) layer reaches the
+    compressed main KV of other ranks (docs/context_parallel.md, "Sharded compressed memory"):
+
+    - ``"gather"`` (default): every rank all-gathers every rank's compressed main KV and indexer keys
+      (forward) and reduce-scatters their gradients (backward), for every ratio and phase.
+    - ``"sharded"``: in the ``sparse`` phase each rank keeps only its own compressed main KV; the indexer keys
+      are still all-gathered; after top-k each rank fetches the distinct selected main-KV rows it needs from
+      their owners (an all-to-all of row counts, one of row indices, one of rows) and the backward sends those
+      rows' gradients back to their owners (one all-to-all). Needs one host read per layer call (the split
+      sizes). Ratio 128 and the ``dense`` and ``warmup`` phases of ratio 4 attend to (or teach over) every
+      visible entry and gather as with ``"gather"``. Exactly the same result as ``"gather"``.
     """
+    if cp_compressed not in ("gather", "sharded"):
+        raise ValueError(f"cp_compressed must be 'gather' or 'sharded', got {cp_compressed!r}")
     if cp_group is not None:
         from .parallel.setup import agreed_pack          # parallel builds on packing: imported on use
-        return agreed_pack(cu_seqlens, total_rows, max_seqlen, device, cp_group, cp_partition)
+        return agreed_pack(cu_seqlens, total_rows, max_seqlen, device, cp_group, cp_partition, cp_compressed)
+    if cp_compressed != "gather":
+        raise ValueError(f"cp_compressed={cp_compressed!r} needs cp_group (it says how context-parallel ranks "
+                         f"share compressed KV); without cp_group leave it out")
     if cp_partition is not None:
         raise ValueError(f"cp_partition={cp_partition!r} needs cp_group (it says how context-parallel ranks split "
                          f"the rows); without cp_group leave it out")

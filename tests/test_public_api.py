@@ -37,6 +37,9 @@ def test_pack_batch_signature():
     assert list(params)[:4] == ["cu_seqlens", "total_rows", "max_seqlen", "device"]
     for name in ("cp_group", "cp_partition"):           # README "Context parallelism": keywords, default None
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].default is None
+    # docs/context_parallel.md "Sharded compressed memory": a keyword, default "gather" (the all-gather).
+    assert params["cp_compressed"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params["cp_compressed"].default == "gather"
 
 
 def test_sparse_attention_signature():

@@ -197,13 +197,20 @@ class HybridAttention(KeepFp32Params):
         # Index sets in key coordinates: raw key rows first, then the gathered compressed rows.
         window = frame.local_keys(Window(pack, c.sliding_window))
         keys, index_set, compressed = kv, window, None
+        # Sharded compressed memory (pack_batch(..., cp_compressed="sharded")): only the sparse phase of ratio 4
+        # selects a subset of the entries; everything else attends to (or teaches over) all of them and gathers.
+        sharded = frame.compressed == "sharded" and self.indexer is not None and phase == "sparse"
         if self.compress_ratio:
             owned, lowering = frame.owned_entries(self.compress_ratio)
-            compressed = frame.gather(tp.copy(self.compressor(x_keys, owned, inv_freq)))
-            keys = torch.cat([kv, compressed.to(kv.dtype)], dim=0)
+            local_compressed = tp.copy(self.compressor(x_keys, owned, inv_freq))
+            if sharded:                          # fetched after the top-k, below
+                n_gathered = local_compressed.shape[0] * frame.world
+            else:
+                compressed = frame.gather(local_compressed, "main_kv")
+                keys, n_gathered = torch.cat([kv, compressed.to(kv.dtype)], dim=0), compressed.shape[0]
             visible = frame.local_compressed(VisibleCompressed(pack.compressed(self.compress_ratio),
                                                                pack.total_rows), lowering,
-                                             table_rows=compressed.shape[0])                 # compressed rows
+                                             table_rows=n_gathered)                          # compressed rows
             if self.indexer is None or phase == "dense":
                 index_set = Concat(window, Rows(visible, 0, T, shift=n_keys))
 
@@ -217,8 +224,13 @@ class HybridAttention(KeepFp32Params):
             else:
                 index_q, index_k, index_w = self.indexer(x.detach(), qr.detach(), pos_q, x_keys.detach(), owned,
                                                          inv_freq)
-                index_k = frame.gather(index_k)
+                index_k = frame.gather(index_k, "index_k")
                 topk = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), visible, c.index_topk)
+                if sharded:
+                    # The distinct selected rows, from their owners; top-k renumbered to rows of `compressed`, and
+                    # the indexer keys cut to the same rows so that the teacher's candidates address both alike.
+                    compressed, needed, topk = frame.fetch(local_compressed, topk, "main_kv")
+                    keys, index_k = torch.cat([kv, compressed.to(kv.dtype)], dim=0), index_k[needed]
                 # Top-k rows are rows of index_k by construction: that bound lets the ops skip any range work.
                 index_set = Concat(window, Explicit(topk, offset=n_keys, bound=index_k.shape[0]))
                 if train_indexer and phase == "warmup":      # teacher over every visible entry

@@ -30,8 +30,10 @@ PREVIEW = 6                 # cu_seqlens values carried verbatim (first 3, last 
 UNKNOWN = -1                # a field this rank could not compute (its own checks failed first)
 # (name in the error, index in the digest); the order is the order fields are reported in
 FIELDS = (("status", 1), ("total rows T", 2), ("cu_seqlens", 3), ("max_seqlen", 6), ("cp_partition", 7),
-          ("phase", 8), ("compress ratio", 9), ("local rows", 10), ("halo rows", 11))
-SIZE = 12 + PREVIEW
+          ("phase", 8), ("compress ratio", 9), ("local rows", 10), ("halo rows", 11),
+          ("cp_compressed", 12 + PREVIEW))
+SIZE = 13 + PREVIEW
+COMPRESSED = ("gather", "sharded")
 
 
 def cu_seqlens_hash(values) -> int:
@@ -41,7 +43,7 @@ def cu_seqlens_hash(values) -> int:
 
 
 def digest(*, total_rows, cu_values, max_seqlen, partition, phase, compress_ratio, rows, halo,
-           failed: bool = False) -> list[int]:
+           failed: bool = False, compressed: str | None = None) -> list[int]:
     """The fixed-size int list one rank contributes; ``None`` fields become UNKNOWN."""
     def known(v):
         return UNKNOWN if v is None else int(v)
@@ -55,7 +57,8 @@ def digest(*, total_rows, cu_values, max_seqlen, partition, phase, compress_rati
     codes = [partition_.PARTITIONS.index(partition) if partition in partition_.PARTITIONS else UNKNOWN,
              PHASES.index(phase) if phase in PHASES else UNKNOWN]
     return ([MAGIC, int(failed), known(total_rows)] + cu + [known(max_seqlen)] + codes
-            + [known(compress_ratio), known(rows), known(halo)] + preview)
+            + [known(compress_ratio), known(rows), known(halo)] + preview
+            + [COMPRESSED.index(compressed) if compressed in COMPRESSED else UNKNOWN])
 
 
 def _describe(name: str, d: list[int]) -> str:
@@ -67,7 +70,7 @@ def _describe(name: str, d: list[int]) -> str:
         if n == UNKNOWN:
             return "unknown"
         head = [v for v in d[12:12 + PREVIEW // 2] if v != UNKNOWN]
-        tail = [v for v in d[12 + PREVIEW // 2:] if v != UNKNOWN]
+        tail = [v for v in d[12 + PREVIEW // 2:12 + PREVIEW] if v != UNKNOWN]
         shown = head + tail if n <= PREVIEW else head + ["..."] + tail
         return f"[{', '.join(map(str, shown))}] ({n} values, hash {d[4]:016x})"
     value = d[dict(FIELDS)[name]]
@@ -77,6 +80,8 @@ def _describe(name: str, d: list[int]) -> str:
         return repr(partition_.PARTITIONS[value])
     if name == "phase":
         return repr(PHASES[value])
+    if name == "cp_compressed":
+        return repr(COMPRESSED[value])
     return str(value)
 
 

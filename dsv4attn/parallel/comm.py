@@ -4,10 +4,18 @@ Every function takes the process group from the caller; the library never create
 """
 from __future__ import annotations
 
+import collections
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from . import partition as partition_
+
+
+# Bytes this process received from other ranks, by tag, in the collectives that take a ``tag`` (counted from the
+# tensors handed to them, not modelled). Clear it (``traffic.clear()``) before the calls you want to measure.
+traffic: collections.Counter = collections.Counter()
 
 
 def world_and_rank(group) -> tuple[int, int]:
@@ -26,21 +34,88 @@ class _GatherRows(torch.autograd.Function):
     this rank's block (a reduce-scatter; done as all-reduce + slice because gloo has no reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, group):
-        ctx.group, ctx.rows = group, t.shape[0]
-        return _all_gather_cat(t, group)
+    def forward(ctx, t: torch.Tensor, group, tag):
+        ctx.group, ctx.rows, ctx.tag = group, t.shape[0], tag
+        out = _all_gather_cat(t, group)
+        if tag is not None:
+            traffic[f"{tag} forward"] += out.nbytes - t.nbytes
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        _, rank = world_and_rank(ctx.group)
-        return grad[rank * ctx.rows:(rank + 1) * ctx.rows], None
+        world, rank = world_and_rank(ctx.group)
+        mine = grad[rank * ctx.rows:(rank + 1) * ctx.rows]
+        if ctx.tag is not None:      # counted as the reduce-scatter it stands for: the other ranks' partial blocks
+            traffic[f"{ctx.tag} backward"] += (world - 1) * mine.nbytes
+        return mine, None, None
 
 
-def gather_rows(t: torch.Tensor, group) -> torch.Tensor:
-    """(world * n, ...) rows of all ranks in rank order; gradients go back to the rank that owns each row."""
-    return _GatherRows.apply(t, group)
+def gather_rows(t: torch.Tensor, group, tag: str | None = None) -> torch.Tensor:
+    """(world * n, ...) rows of all ranks in rank order; gradients go back to the rank that owns each row.
+    ``tag``: count the bytes received under this name in :data:`traffic`."""
+    return _GatherRows.apply(t, group, tag)
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """Which rows one :func:`fetch_rows` moves: ``requested[r]`` rows this rank asks of rank r (in the order of
+    ``needed``), ``served[r]`` rows rank r asks of this rank, ``serve_rows`` their local row numbers here."""
+    requested: list
+    served: list
+    serve_rows: torch.Tensor
+
+
+def fetch_plan(needed: torch.Tensor, block: int, group, tag: str | None = None) -> FetchPlan:
+    """The exchange of row indices before :func:`fetch_rows`. ``needed``: increasing gathered-row ids (row g is
+    row ``g % block`` of rank ``g // block``, the layout :func:`gather_rows` makes). Two all-to-alls: the counts
+    (W ints) and the local row numbers; one host read of the counts (the split sizes of the second)."""
+    world, _ = world_and_rank(group)
+    needed = needed.long()
+    owner = torch.div(needed, max(block, 1), rounding_mode="floor")
+    ask = torch.bincount(owner, minlength=world)
+    asked = torch.empty_like(ask)
+    dist.all_to_all_single(asked, ask, group=group)
+    requested, served = ask.tolist(), asked.tolist()
+    serve_rows = needed.new_empty(sum(served))
+    dist.all_to_all_single(serve_rows, (needed - owner * block).contiguous(), served, requested, group=group)
+    if tag is not None:
+        _, rank = world_and_rank(group)
+        traffic[f"{tag} indices"] += (asked.nbytes - asked[rank:rank + 1].nbytes
+                                      + (sum(served) - served[rank]) * serve_rows.element_size())
+    return FetchPlan(requested, served, serve_rows)
+
+
+class _FetchRows(torch.autograd.Function):
+    """Rows of other ranks' (n, ...) blocks named by a :class:`FetchPlan` (an all-to-all); backward sends each
+    fetched row's gradient back to its owner (the reverse all-to-all), which adds it to its block's gradient."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, plan: FetchPlan, group, tag):
+        ctx.plan, ctx.group, ctx.tag, ctx.shape = plan, group, tag, local.shape
+        out = local.new_empty((sum(plan.requested),) + tuple(local.shape[1:]))
+        dist.all_to_all_single(out, local[plan.serve_rows].contiguous(), plan.requested, plan.served, group=group)
+        if tag is not None:
+            _, rank = world_and_rank(group)
+            traffic[f"{tag} forward"] += (sum(plan.requested) - plan.requested[rank]) * out[:1].nbytes
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        plan = ctx.plan
+        back = grad.new_empty((sum(plan.served),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), plan.served, plan.requested, group=ctx.group)
+        if ctx.tag is not None:
+            _, rank = world_and_rank(ctx.group)
+            traffic[f"{ctx.tag} backward"] += (sum(plan.served) - plan.served[rank]) * back[:1].nbytes
+        grad_local = grad.new_zeros(ctx.shape).index_add_(0, plan.serve_rows, back)
+        return grad_local, None, None, None
+
+
+def fetch_rows(local: torch.Tensor, plan: FetchPlan, group, tag: str | None = None) -> torch.Tensor:
+    """(len(needed), ...) the rows ``plan`` names, from their owners' ``local`` blocks (differentiable)."""
+    return _FetchRows.apply(local, plan, group, tag)
 
 
 class _WithLeftHalos(torch.autograd.Function):

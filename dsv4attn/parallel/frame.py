@@ -33,6 +33,7 @@ class RowFrame:
     segments: tuple[Segment, ...]   # in local order
     group: object = None            # context-parallel process group, None on one device
     partition: str = "contiguous"
+    compressed: str = "gather"      # the pack's cp_compressed: "gather" or "sharded" (ratio-4 sparse phase)
     _owned: dict = field(default_factory=dict, repr=False)
     _rows: dict = field(default_factory=dict, repr=False)
 
@@ -88,8 +89,20 @@ class RowFrame:
         return cached(self._owned, ratio, lambda: _single_owned(self.pack, ratio) if self.group is None
                       else _cp_owned(self, ratio))
 
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.group is None else comm.gather_rows(t, self.group)
+    def gather(self, t: torch.Tensor, tag: str | None = None) -> torch.Tensor:
+        return t if self.group is None else comm.gather_rows(t, self.group, tag)
+
+    def fetch(self, local: torch.Tensor, selected: torch.Tensor, tag: str | None = None):
+        """(rows, needed, remapped): the distinct gathered rows that ``selected`` (int, -1 = empty) names, fetched from
+        their owners' ``local`` blocks (the layout :meth:`gather` would make; differentiable), their gathered-row
+        ids ``needed`` (increasing), and ``selected``
+        renumbered to rows of that result (-1 kept)."""
+        valid = selected >= 0
+        needed = torch.unique(selected[valid].long())                       # increasing
+        remapped = torch.where(valid, torch.searchsorted(needed, selected.long()),
+                               torch.full_like(selected, -1, dtype=torch.long)).to(selected.dtype)
+        plan = comm.fetch_plan(needed, local.shape[0], self.group, tag)
+        return comm.fetch_rows(local, plan, self.group, tag), needed, remapped
 
 
 def single_device_frame(pack: PackedBatch) -> RowFrame:

@@ -52,13 +52,15 @@ def as_process_group(cp_group):
     return cp_group
 
 
-def agreed_pack(cu_seqlens, total_rows: int, max_seqlen, device, cp_group, cp_partition) -> PackedBatch:
+def agreed_pack(cu_seqlens, total_rows: int, max_seqlen, device, cp_group, cp_partition,
+                cp_compressed: str = "gather") -> PackedBatch:
     """:func:`dsv4attn.pack_batch` with ``cp_group``: the pack of the global batch, after the ranks agreed on it.
 
-    The one agreement of the batch: (T, cu_seqlens, max_seqlen, partition, local rows). Phase, compress ratio
-    and halo are the layers' and are left out (UNKNOWN on every rank): with a CP pack a layer call communicates
-    nothing but its halo and compressed rows, so a rank-dependent phase or layer order is not caught here (the
-    model runs the same layers with one phase on every rank; ``cu_seqlens=`` calls keep the per-call check)."""
+    The one agreement of the batch: (T, cu_seqlens, max_seqlen, partition, local rows, cp_compressed). Phase,
+    compress ratio and halo are the layers' and are left out (UNKNOWN on every rank): with a CP pack a layer call
+    communicates nothing but its halo and compressed rows, so a rank-dependent phase or layer order is not caught
+    here (the model runs the same layers with one phase on every rank; ``cu_seqlens=`` calls keep the per-call
+    check)."""
     group = as_process_group(cp_group)
     world, _ = comm.world_and_rank(group)
     partition = "contiguous" if cp_partition is None else cp_partition
@@ -76,12 +78,13 @@ def agreed_pack(cu_seqlens, total_rows: int, max_seqlen, device, cp_group, cp_pa
         local_error = err
     where = (pack.device if pack is not None else torch.device(device) if device is not None
              else cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu"))
-    _agree(group, pack, partition, rows, None, None, None, local_error, where)
+    _agree(group, pack, partition, rows, None, None, None, local_error, where, cp_compressed)
     # A new pack starts with empty caches: frames hold this group's segments, never a single-device pack's.
-    return dataclasses.replace(pack, cp_group=group, cp_partition=partition)
+    return dataclasses.replace(pack, cp_group=group, cp_partition=partition, cp_compressed=cp_compressed)
 
 
-def _agree(group, pack, partition, rows, phase, compress_ratio, halo, local_error, device) -> None:
+def _agree(group, pack, partition, rows, phase, compress_ratio, halo, local_error, device,
+           cp_compressed=None) -> None:
     """The ranks' agreement (:mod:`.agree`): raises this rank's own error, else the common mismatch error."""
     if not checks.reads_possible():
         if local_error is not None:
@@ -91,7 +94,8 @@ def _agree(group, pack, partition, rows, phase, compress_ratio, halo, local_erro
     mine = agree.digest(total_rows=pack.total_rows if known else None,
                         cu_values=pack.host_cu_seqlens if known else None,
                         max_seqlen=pack.max_seqlen if known else None, partition=partition, phase=phase,
-                        compress_ratio=compress_ratio, rows=rows, halo=halo, failed=local_error is not None)
+                        compress_ratio=compress_ratio, rows=rows, halo=halo, failed=local_error is not None,
+                        compressed=cp_compressed)
     message = agree.mismatch_message(agree.agree(group, mine, device))
     if local_error is not None:
         raise local_error                       # this rank's own, more precise error
@@ -164,7 +168,8 @@ def _row_frame(pack, group, partition, halo, world, rank) -> RowFrame:
         key_start = start - (width if start > 0 else 0)
         segments.append(Segment(start, end, key_start, offset))
         offset += end - key_start
-    return RowFrame(pack=pack, segments=tuple(segments), group=group, partition=partition)
+    return RowFrame(pack=pack, segments=tuple(segments), group=group, partition=partition,
+                    compressed=getattr(pack, "cp_compressed", "gather") if pack.cp_group is group else "gather")
 
 
 def _keys_with_halos(x_local, frame: RowFrame, halo: int) -> torch.Tensor:
