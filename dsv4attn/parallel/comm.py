@@ -13,6 +13,19 @@ import torch.distributed as dist
 from . import partition as partition_
 
 
+def as_process_group(group, name: str):
+    """``group`` as a ProcessGroup: a ProcessGroup, or a 1-D DeviceMesh (its group); anything else raises,
+    naming the argument ``name`` (``cp_group``, ``tp_group``)."""
+    if hasattr(group, "get_group") and hasattr(group, "ndim"):
+        if group.ndim != 1:
+            raise ValueError(f"{name} must be a ProcessGroup or a 1-D DeviceMesh, got a {group.ndim}-D mesh")
+        group = group.get_group()
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name} must be a torch.distributed ProcessGroup (or a 1-D DeviceMesh), "
+                        f"got {type(group).__name__}")
+    return group
+
+
 # Bytes this process received from other ranks, by tag, in the collectives that take a ``tag`` (counted from the
 # tensors handed to them, not modelled). Clear it (``traffic.clear()``) before the calls you want to measure.
 traffic: collections.Counter = collections.Counter()

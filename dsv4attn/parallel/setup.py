@@ -42,14 +42,7 @@ def check_rows_per_rank(rows_per_chunk: int, halo: int, world: int, partition: s
 
 def as_process_group(cp_group):
     """A ProcessGroup, or a 1-D DeviceMesh (its group); anything else raises a TypeError naming ``cp_group``."""
-    if hasattr(cp_group, "get_group") and hasattr(cp_group, "ndim"):
-        if cp_group.ndim != 1:
-            raise ValueError(f"cp_group must be a ProcessGroup or a 1-D DeviceMesh, got a {cp_group.ndim}-D mesh")
-        cp_group = cp_group.get_group()
-    if not isinstance(cp_group, dist.ProcessGroup):
-        raise TypeError(f"cp_group must be a torch.distributed ProcessGroup (or a 1-D DeviceMesh), "
-                        f"got {type(cp_group).__name__}")
-    return cp_group
+    return comm.as_process_group(cp_group, "cp_group")
 
 
 def agreed_pack(cu_seqlens, total_rows: int, max_seqlen, device, cp_group, cp_partition,

@@ -20,20 +20,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .comm import as_process_group
+
 
 def as_tp_group(tp_group):
     """A ProcessGroup, or a 1-D DeviceMesh (its group), or None; anything else raises a TypeError naming
     ``tp_group``."""
-    if tp_group is None:
-        return None
-    if hasattr(tp_group, "get_group") and hasattr(tp_group, "ndim"):
-        if tp_group.ndim != 1:
-            raise ValueError(f"tp_group must be a ProcessGroup or a 1-D DeviceMesh, got a {tp_group.ndim}-D mesh")
-        tp_group = tp_group.get_group()
-    if not isinstance(tp_group, dist.ProcessGroup):
-        raise TypeError(f"tp_group must be a torch.distributed ProcessGroup (or a 1-D DeviceMesh), "
-                        f"got {type(tp_group).__name__}")
-    return tp_group
+    return None if tp_group is None else as_process_group(tp_group, "tp_group")
 
 
 class _CopyToGroup(torch.autograd.Function):
