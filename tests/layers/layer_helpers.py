@@ -16,6 +16,18 @@ def ragged_pack(lengths=RAGGED, padding: int = 6):
     return cu, int(cu[-1]) + padding, max(lengths)
 
 
+def forward_backward(layer, x, g, phase, **kw):
+    """(output, input grad, {name: grad}, indexer loss) of ``layer(x, phase=phase, **kw)`` and the backward of
+    ``(y * g).sum()`` (a fresh leaf copy of x; the layer's gradients zeroed first)."""
+    x = x.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    y = layer(x, phase=phase, **kw)
+    (y * g).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters()}
+    loss = layer.indexer_loss
+    return y.detach(), x.grad.detach(), grads, (None if loss is None else loss.clone())
+
+
 def doc_slices(cu: torch.Tensor):
     return [slice(int(a), int(b)) for a, b in zip(cu[:-1], cu[1:])]
 

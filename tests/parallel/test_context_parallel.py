@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import dsv4attn
 from dsv4attn.parallel import gather_rows, left_halo, segments, shard, unshard, with_left_halos
+from tests.layers.layer_helpers import forward_backward
 from tests.spawned_ranks import run_ranks
 
 # Starts 0 1 4 8 13 13 99 399 408 425; 555 real rows, 5 padding rows -> 560 = 2 x 280 = 4 x 140.
@@ -46,16 +47,6 @@ def _layer(ratio, dtype, seed=0):
             else:
                 p.normal_(0.0, 0.08)
     return layer.to(dtype).train()
-
-
-def _run(layer, x, g, phase, **kw):
-    x = x.clone().requires_grad_(True)
-    layer.zero_grad(set_to_none=True)
-    y = layer(x, phase=phase, **kw)
-    (y * g).sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters()}
-    loss = layer.indexer_loss
-    return y.detach(), x.grad.detach(), grads, (None if loss is None else loss.clone())
 
 
 def _check_primitives(group, world, rank):
@@ -107,10 +98,10 @@ def _check_parity(group, world, rank, dtype, cases, tol, partition="contiguous")
         torch.manual_seed(100 + ratio)
         x = torch.randn(TOTAL_ROWS, 128, dtype=dtype)
         g = torch.randn(TOTAL_ROWS, 128, dtype=dtype)
-        y, dx, grads, loss = _run(layer, x, g, phase, cu_seqlens=cu, max_seqlen=max_len)
-        y_l, dx_l, grads_l, loss_l = _run(layer, shard(x, group, partition), shard(g, group, partition), phase,
-                                          cu_seqlens=cu, max_seqlen=max_len, cp_group=group,
-                                          cp_partition=partition)
+        y, dx, grads, loss = forward_backward(layer, x, g, phase, cu_seqlens=cu, max_seqlen=max_len)
+        y_l, dx_l, grads_l, loss_l = forward_backward(layer, shard(x, group, partition), shard(g, group, partition),
+                                                      phase, cu_seqlens=cu, max_seqlen=max_len, cp_group=group,
+                                                      cp_partition=partition)
         where = f"ratio {ratio} {phase} {dtype} {partition} rank {rank}/{world}"
         torch.testing.assert_close(y_l, shard(y, group, partition), **tol, msg=lambda m: f"{where} output: {m}")
         torch.testing.assert_close(dx_l, shard(dx, group, partition), **tol,
@@ -182,9 +173,9 @@ def _check_cp_packs(group, world, rank):
             torch.manual_seed(200 + ratio)
             x, g = torch.randn(TOTAL_ROWS, 128, dtype=torch.float64), torch.randn(TOTAL_ROWS, 128, dtype=torch.float64)
             x, g = shard(x, group, partition), shard(g, group, partition)
-            want = _run(layer, x, g, phase, cu_seqlens=cu, max_seqlen=max_len, cp_group=group,
-                        cp_partition=partition)
-            got = _run(layer, x, g, phase, pack=pack)
+            want = forward_backward(layer, x, g, phase, cu_seqlens=cu, max_seqlen=max_len, cp_group=group,
+                                    cp_partition=partition)
+            got = forward_backward(layer, x, g, phase, pack=pack)
             where = f"CP pack ratio {ratio} {phase} {partition} rank {rank}/{world}"
             torch.testing.assert_close(got[0], want[0], rtol=0, atol=0, msg=lambda m: f"{where} output: {m}")
             torch.testing.assert_close(got[1], want[1], rtol=0, atol=0, msg=lambda m: f"{where} input grad: {m}")

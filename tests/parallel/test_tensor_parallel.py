@@ -23,6 +23,7 @@ import torch.distributed as dist
 import dsv4attn
 from dsv4attn.checkpoints import to_hf_state_dict
 from dsv4attn.parallel import shard, unshard
+from tests.layers.layer_helpers import forward_backward
 from tests.spawned_ranks import run_ranks
 
 # Starts 0 1 4 4 90 240 249; 266 real rows, 6 padding rows -> 272 = 2 x 136 (a chunk must hold ratio 128's halo).
@@ -51,17 +52,6 @@ def _layer(ratio, **kw):
             full[name] = p.detach().clone()
     layer.load_hf_state_dict(full)
     return layer.double().train(), {k: v.double() for k, v in full.items()}
-
-
-def _run(layer, x, g, phase, **kw):
-    """(output, input grad, {name: grad}, indexer loss) of one forward + backward, then one AdamW step."""
-    x = x.clone().requires_grad_(True)
-    layer.zero_grad(set_to_none=True)
-    y = layer(x, phase=phase, **kw)
-    (y * g).sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters()}
-    loss = layer.indexer_loss
-    return y.detach(), x.grad.detach(), grads, (None if loss is None else loss.clone())
 
 
 def _step(layer, grads):
@@ -100,7 +90,7 @@ def _check_case(ratio, phase, tp_mesh, cp_mesh, worst):
     g = torch.randn(TOTAL_ROWS, 128, dtype=torch.float64)
 
     single, _ = _layer(ratio)
-    y, dx, grads, loss = _run(single, x, g, phase, cu_seqlens=cu, max_seqlen=max_len)
+    y, dx, grads, loss = forward_backward(single, x, g, phase, cu_seqlens=cu, max_seqlen=max_len)
     _step(single, grads)
     after = to_hf_state_dict(single)
 
@@ -110,11 +100,11 @@ def _check_case(ratio, phase, tp_mesh, cp_mesh, worst):
         layer, _ = _layer(ratio, tp_group=tp_group if cp is None else tp_mesh)
         where = f"{label} ratio {ratio} {phase} rank {dist.get_rank()}"
         if cp is None:
-            got = _run(layer, x, g, phase, cu_seqlens=cu, max_seqlen=max_len)
+            got = forward_backward(layer, x, g, phase, cu_seqlens=cu, max_seqlen=max_len)
             y_l, dx_l = got[0], got[1]
         else:
             pack = dsv4attn.pack_batch(cu, TOTAL_ROWS, max_len, cp_group=cp_mesh)
-            got = _run(layer, shard(x, cp), shard(g, cp), phase, pack=pack)
+            got = forward_backward(layer, shard(x, cp), shard(g, cp), phase, pack=pack)
             y_l, dx_l = unshard(got[0], cp), unshard(got[1], cp)
             for t in got[2].values():
                 dist.all_reduce(t, group=cp)          # parameter gradients are partial per CP rank
