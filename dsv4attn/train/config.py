@@ -15,6 +15,8 @@ from ..parallel import num_chunks
 from .model import DEFAULT_RATIOS, PRESETS, largest_halo, model_config
 from .tensor import check_split
 
+COMPRESSED_MODES = ("gather", "sharded")        # pack_batch(..., cp_compressed=)
+
 
 def option(default, help: str, **extra):
     """A TrainConfig field and its command-line help, written once: cli.py builds ``--name`` from it (``extra``:
@@ -71,6 +73,11 @@ class TrainConfig:
     cp_partition: str = option("contiguous", "rows of each context-parallel rank: contiguous (one slice) or "
                                              "head_tail (chunks i and 2C-1-i of 2C: even causal work)",
                                choices=PARTITIONS)
+    cp_compressed: str = option("gather", "how the context-parallel ranks share the CSA layers' compressed KV: "
+                                          "gather (every rank all-gathers all of it) or sharded (in the sparse "
+                                          "phase each rank keeps its own and fetches the top-k rows it selects; "
+                                          "same results, docs/context_parallel.md). sharded needs --cp > 1",
+                                choices=COMPRESSED_MODES)
     fsdp: bool = option(False, "shard parameters, gradients and optimizer state over the data-parallel ranks "
                                "(FSDP2: a unit per attention layer and per block; on CUDA bf16 gathers with the "
                                "sinks and positional biases fp32); checkpoints hold the same full-state files as "
@@ -116,6 +123,12 @@ class TrainConfig:
             raise ValueError(f"--pg-timeout must be a number of seconds > 0, got {self.pg_timeout!r}")
         if self.cp_partition not in PARTITIONS:
             raise ValueError(f"--cp-partition must be one of {', '.join(PARTITIONS)}, got {self.cp_partition!r}")
+        if self.cp_compressed not in COMPRESSED_MODES:
+            raise ValueError(f"--cp-compressed must be one of {', '.join(COMPRESSED_MODES)}, got "
+                             f"{self.cp_compressed!r}")
+        if self.cp_compressed == "sharded" and self.cp == 1:
+            raise ValueError("--cp-compressed sharded needs --cp > 1 (it says how context-parallel ranks share the "
+                             "compressed KV; one rank per replica has nothing to share); leave it out with --cp 1")
         if not isinstance(self.fsdp, bool):
             raise ValueError(f"--fsdp must be a bool, got {self.fsdp!r}")
         if self.fsdp and self.cp > 1:

@@ -76,14 +76,14 @@ def _teacher_topk(q, compressed, outside_lse, visible, width, scale):
 
 @torch.no_grad()
 def evaluate(model: DecoderLM, batches: list[Batch], phase: str, device: torch.device, autocast=None,
-             cp_group=None, cp_partition: str = "contiguous") -> dict:
+             cp_group=None, cp_partition: str = "contiguous", cp_compressed: str = "gather") -> dict:
     """Metrics of ``model`` on held-out ``batches`` in ``phase``; None where a metric does not apply (no answer
     rows in the data, no ratio-4 layer, or no row with more than k visible entries).
 
-    With ``cp_group`` (and ``cp_partition``) every rank of the group calls it with the same batches: the model
-    runs context-parallel, the LM sums are added up over the group, and each rank probes the indexer on the
-    gathered attention inputs of the whole batch (one layer at a time, without autograd). Every rank returns the
-    same metrics.
+    With ``cp_group`` (and ``cp_partition``, ``cp_compressed``) every rank of the group calls it with the same
+    batches: the model runs context-parallel, the LM sums are added up over the group, and each rank probes the
+    indexer on the gathered attention inputs of the whole batch (one layer at a time, without autograd). Every rank
+    returns the same metrics.
     """
     was_training = model.training
     model.eval()
@@ -97,7 +97,7 @@ def evaluate(model: DecoderLM, batches: list[Batch], phase: str, device: torch.d
             captured = [] if has_indexer else None
             with autocast or nullcontext():
                 logits = model(b.tokens, b.cu_seqlens, b.max_seqlen, phase, captured=captured, cp_group=cp_group,
-                               cp_partition=cp_partition)
+                               cp_partition=cp_partition, cp_compressed=cp_compressed)
                 rows_targets = local_rows(b.targets, cp_group, cp_partition)
                 sums[0] += lm_loss(logits, rows_targets, 1).double()         # a sum: divided once at the end
                 if b.num_answers:
@@ -144,15 +144,15 @@ class Evaluator:
     """
 
     def __init__(self, model: DecoderLM, batches: list[Batch], every: int, end: int, device, autocast, par,
-                 cp_partition: str, run, say, active: bool):
+                 cp_partition: str, run, say, active: bool, cp_compressed: str = "gather"):
         self.model, self.batches, self.every, self.end = model, batches, every, end
         self.device, self.autocast, self.cp_group, self.cp_partition = device, autocast, par.cp_group, cp_partition
-        self.run, self.say, self.active = run, say, active
+        self.run, self.say, self.active, self.cp_compressed = run, say, active, cp_compressed
         self.last: dict | None = None
 
     def _evaluate(self, phase: str) -> dict:
         self.last = evaluate(self.model, self.batches, phase, self.device, self.autocast, self.cp_group,
-                             self.cp_partition)
+                             self.cp_partition, self.cp_compressed)
         return self.last
 
     def maybe_run(self, done: int, phase: str) -> dict | None:

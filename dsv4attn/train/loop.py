@@ -39,7 +39,8 @@ def train(cfg: TrainConfig) -> dict:
                disable=not s.is_main)
     say = bar.write if s.is_main else (lambda line: None)
     evaluator = Evaluator(s.model, s.eval_batches, cfg.eval_every, end, s.device, s.autocast, par,
-                          cfg.cp_partition, run, say, active=par.dp_rank == 0 or s.sharded)
+                          cfg.cp_partition, run, say, active=par.dp_rank == 0 or s.sharded,
+                          cp_compressed=cfg.cp_compressed)
     checkpointer = Checkpointer(cfg, run.out, s.is_main, end, data=s.source.describe(), dp=par.dp,
                                 about={"run_config": cfg.to_dict(), "model_config": s.mcfg.to_dict(),
                                        "world_size": par.world},
@@ -66,7 +67,8 @@ def train(cfg: TrainConfig) -> dict:
             batch = batch.padded_to(cfg.batch_rows).to(s.device)
             try:
                 m = train_step(s.model, s.optimizer, batch, phase, step, cfg.grad_clip, par,
-                               cp_partition=cfg.cp_partition, step_model=s.step_model, autocast=s.autocast)
+                               cp_partition=cfg.cp_partition, cp_compressed=cfg.cp_compressed,
+                               step_model=s.step_model, autocast=s.autocast)
             except NonFiniteStep as e:
                 message = f"{e}; {checkpointer.kept_note()}"
                 run.log({"kind": "stopped", "step": step + 1, "phase": phase, "reason": message})

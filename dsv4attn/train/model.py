@@ -114,6 +114,7 @@ class DecoderLM(nn.Module):
     the same *global* batch (``tokens`` of all T rows, global ``cu_seqlens``) and gets the logits of its own rows (T /
     cp of them, in the order of :func:`dsv4attn.train.distributed.local_rows`). Embedding, norms, MLP and head are
     per row; the attention layers exchange what they need. ``captured`` then holds this rank's attention inputs.
+    ``cp_compressed`` is :func:`dsv4attn.pack_batch`'s (how CSA layers reach other ranks' compressed KV).
 
     Tensor parallelism (``tp_group``, docs/tensor_parallel.md): the attention layers hold their rank's heads; every
     rank of the group passes the same batch and gets the same, full logits. Built after the same
@@ -143,11 +144,12 @@ class DecoderLM(nn.Module):
             _normal_full(block.attn, "o_b_proj.weight", residual_std)
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, phase: str,
-                captured: list | None = None, cp_group=None, cp_partition: str = "contiguous") -> torch.Tensor:
+                captured: list | None = None, cp_group=None, cp_partition: str = "contiguous",
+                cp_compressed: str = "gather") -> torch.Tensor:
         # Of the global batch, also under CP: built once per batch, so the ranks' agreement on it runs once, not
         # once per layer (with NCCL each agreement is a device->host sync).
         pack = pack_batch(cu_seqlens, tokens.shape[0], max_seqlen, cp_group=cp_group,
-                          cp_partition=None if cp_group is None else cp_partition)
+                          cp_partition=None if cp_group is None else cp_partition, cp_compressed=cp_compressed)
         x = self.embed(local_rows(tokens, cp_group, cp_partition))
         for block in self.blocks:
             x = block(x, pack, phase, captured)

@@ -35,7 +35,7 @@ class StepMetrics:
 
 
 def loss_and_grads(step_model, model: DecoderLM, batch, phase: str, cp_group=None, cp_partition: str = "contiguous",
-                   autocast=None):
+                   autocast=None, cp_compressed: str = "gather"):
     """Forward and backward of one batch; leaves in ``model``'s ``.grad`` the gradient of the replica's batch
     (summed over the CP group; averaged over replicas when ``step_model`` is DDP) and returns (LM loss, summed
     indexer loss or None) of the whole batch as 0-d tensors.
@@ -46,7 +46,7 @@ def loss_and_grads(step_model, model: DecoderLM, batch, phase: str, cp_group=Non
     """
     with autocast or nullcontext():
         logits = step_model(batch.tokens, batch.cu_seqlens, batch.max_seqlen, phase, cp_group=cp_group,
-                            cp_partition=cp_partition)
+                            cp_partition=cp_partition, cp_compressed=cp_compressed)
         loss = lm_loss(logits, distributed.local_rows(batch.targets, cp_group, cp_partition), batch.num_targets)
     loss.backward()                              # the indexer loss rides along inside the layers
                                                  # (docs/semantics.md, decision 7)
@@ -58,13 +58,14 @@ def loss_and_grads(step_model, model: DecoderLM, batch, phase: str, cp_group=Non
 
 
 def train_step(model: DecoderLM, optimizer, batch, phase: str, step: int, grad_clip: float, par=None, *,
-               cp_partition: str = "contiguous", step_model=None, autocast=None) -> StepMetrics:
+               cp_partition: str = "contiguous", cp_compressed: str = "gather", step_model=None,
+               autocast=None) -> StepMetrics:
     """Optimizer step ``step + 1`` (0-based ``step``) on ``batch`` in ``phase``, at the LR already set on
     ``optimizer``. ``par`` is the :class:`~dsv4attn.train.distributed.Parallelism` (None: one process);
     ``step_model`` is what runs the forward (the DDP wrapper of ``model``, or ``model`` itself when None)."""
     cp_group = par.cp_group if par is not None else None
     loss, idx_loss = loss_and_grads(step_model or model, model, batch, phase, cp_group=cp_group,
-                                    cp_partition=cp_partition, autocast=autocast)
+                                    cp_partition=cp_partition, autocast=autocast, cp_compressed=cp_compressed)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if par is not None and par.tp > 1:           # sharded squares summed over TP, replicated ones counted once
         grad_norm = tensor.clip_grad_norm(model, grad_clip)

@@ -26,6 +26,7 @@ def _refused(capsys, args, message, tmp_path):
     (["--cp", "2", "--cp-partition", "head_tail", "--capacity", "256"],
      "would hold 2 chunks of 64 rows (--cp-partition head_tail) of the packed batch"),
     (["--cp", "2", "--capacity", "256"], "--cp 2 must divide the number of processes, got 1 (WORLD_SIZE)"),
+    (["--cp-compressed", "sharded"], "--cp-compressed sharded needs --cp > 1"),
     (["--ratios", "0,5"], "--ratios must be a comma-separated list"),
     (["--steps", "0"], "--steps must be an int >= 1"),
     (["--model", "huge"], "--model must be one of"),
@@ -33,7 +34,8 @@ def _refused(capsys, args, message, tmp_path):
     (["--out", "  "], "--out must name the run directory, got '  '"),
     (["--resume", ""], "--resume must name a checkpoint or run directory, got ''"),
 ], ids=["phase_schedule_too_long", "capacity_zero", "cp_zero", "cp_too_few_rows_per_rank",
-        "cp_too_few_rows_window_8", "cp_head_tail_too_few_rows", "cp_not_dividing_the_world", "bad_ratio",
+        "cp_too_few_rows_window_8", "cp_head_tail_too_few_rows", "cp_not_dividing_the_world",
+        "cp_compressed_sharded_without_cp", "bad_ratio",
         "no_steps", "bad_preset", "empty_out", "blank_out", "empty_resume"])
 def test_bad_options(tmp_path, capsys, args, message):
     _refused(capsys, ["--out", str(tmp_path / "run"), *args], message, tmp_path)

@@ -4,12 +4,13 @@ One spawn of 2 gloo processes (cp=2, dp=1; process start-up dominates the cost) 
 - one training step of the tiny model (ratios 0,4,128,4) in float64, per phase (head-tail: the warm-up phase
   only, the phases do not depend on the partition): the LM loss, the indexer loss and every parameter gradient
   (after the CP all-reduce) equal the single-process step on the unpadded batch (capacity 255 -> 256 rows,
-  511 -> 512 for head-tail, so the capacity rounding is exercised; documents straddle the seams);
+  511 -> 512 for head-tail, so the capacity rounding is exercised; documents straddle the seams); contiguous, every
+  phase: the same step with ``cp_compressed="sharded"`` equals the ``"gather"`` one;
 - per partition, held-out evaluation under CP equals the single-process evaluation;
 - ``train()`` with ``--cp 2`` stopped after 2 steps and resumed to the end, and a head-tail run (ratios 0,4: a
-  halo of 8 rows, so 64-row chunks are enough); then (rank 0, group gone, warm and single-threaded: the cheapest place)
-  the same options with ``--cp 1``. The parent compares the logs (fp32: rtol 1e-4; rounding differs, the batches
-  and maths do not);
+  halo of 8 rows, so 64-row chunks are enough; with --cp-compressed sharded); then (rank 0, group gone, warm and
+  single-threaded: the cheapest place) the same options with ``--cp 1`` (and gather). The parent compares the
+  logs (fp32: rtol 1e-4; rounding differs, the batches and maths do not);
 - a rank that raises inside a step and stays alive: the other stops within --pg-timeout naming it.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ CAPACITY = {"contiguous": 255, "head_tail": 511}
 PHASES = {"contiguous": ("dense", "warmup", "sparse"), "head_tail": ("warmup",)}
 RUN = dict(steps=4, dense_steps=1, warmup_steps=2, capacity=255, eval_every=2, eval_batches=1, plot=False)
 HEAD_TAIL_RUN = dict(RUN, ratios=(0, 4), cp_partition="head_tail")
+SHARDED = dict(cp_compressed="sharded")        # --cp 2 only: the --cp 1 run it is compared with refuses it
 
 
 def _model():
@@ -51,21 +53,30 @@ def _check_step(par, partition):
     padded = batch.padded_to(CAPACITY[partition] + 1)
     seams = range(128, padded.tokens.shape[0], 128)
     assert set(seams) - set(batch.cu_seqlens.tolist()), "a document must straddle a seam between chunks"
-    single, split = _model(), _model()
-    tol = dict(rtol=1e-9, atol=1e-12)
+    single, split, sharded = _model(), _model(), _model()
     for phase in PHASES[partition]:
-        single.zero_grad(set_to_none=True)
-        split.zero_grad(set_to_none=True)
+        for m in (single, split, sharded):
+            m.zero_grad(set_to_none=True)
         loss, idx = loss_and_grads(single, single, batch, phase)
         loss_cp, idx_cp = loss_and_grads(split, split, padded, phase, cp_group=par.cp_group, cp_partition=partition)
         where = f"{partition} {phase} rank {par.rank}"
-        torch.testing.assert_close(loss_cp, loss, **tol, msg=lambda m: f"{where} LM loss: {m}")
-        torch.testing.assert_close(idx_cp, idx, **tol, msg=lambda m: f"{where} indexer loss: {m}")
+        _assert_same_step(where, (loss_cp, idx_cp, split), (loss, idx, single))
         if phase != "dense":
             assert float(idx) > 0, where
-        grads = dict(single.named_parameters())
-        for name, p in split.named_parameters():
-            torch.testing.assert_close(p.grad, grads[name].grad, **tol, msg=lambda m: f"{where} grad {name}: {m}")
+        if partition == "contiguous":
+            got = loss_and_grads(sharded, sharded, padded, phase, cp_group=par.cp_group, cp_partition=partition,
+                                 cp_compressed="sharded")
+            _assert_same_step(f"{where} sharded vs gather", (*got, sharded), (loss_cp, idx_cp, split))
+
+
+def _assert_same_step(where, got, want):
+    """(LM loss, indexer loss, model with gradients) of two steps agree in float64."""
+    tol = dict(rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got[0], want[0], **tol, msg=lambda m: f"{where} LM loss: {m}")
+    torch.testing.assert_close(got[1], want[1], **tol, msg=lambda m: f"{where} indexer loss: {m}")
+    grads = dict(want[2].named_parameters())
+    for name, p in got[2].named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, **tol, msg=lambda m: f"{where} grad {name}: {m}")
 
 
 def _check_eval(par, partition):
@@ -126,7 +137,7 @@ def _worker(rank, world, init_file, result_dir):
         out = os.path.join(result_dir, "cp2")
         train(TrainConfig(**RUN, cp=2, out=out, stop_after=2))
         train(TrainConfig(**RUN, cp=2, out=out, resume=out))
-        train(TrainConfig(**HEAD_TAIL_RUN, cp=2, out=os.path.join(result_dir, "cp2_head_tail")))
+        train(TrainConfig(**HEAD_TAIL_RUN, **SHARDED, cp=2, out=os.path.join(result_dir, "cp2_head_tail")))
         assert dist.is_initialized(), "train() must leave a caller's process group alone"
         _check_a_failing_rank(rank, result_dir)
         dist.destroy_process_group()
@@ -159,6 +170,7 @@ def test_cp2_equals_the_single_process_step_eval_and_run(tmp_path):
     meta = json.loads((cp2 / "checkpoints/step_0000004/meta.json").read_text())
     assert (meta["step"], meta["world_size"], meta["run_config"]["cp"], meta["data"]["next_batch"]) == (4, 2, 2, 4)
     assert _records(cp2, "start")[1]["resumed_from"].endswith("step_0000002")
+    assert json.loads((tmp_path / "cp2_head_tail/config.json").read_text())["run_config"]["cp_compressed"] == "sharded"
 
     for run in ("", "_head_tail"):
         for kind, steps in (("train", [1, 2, 3, 4]), ("eval", [2, 4])):
