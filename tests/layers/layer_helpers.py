@@ -16,6 +16,19 @@ def ragged_pack(lengths=RAGGED, padding: int = 6):
     return cu, int(cu[-1]) + padding, max(lengths)
 
 
+def spread_parameters_(layer) -> None:
+    """Moves sinks, positional biases and norm weights away from their constant init (and redraws the other
+    parameters), in place, so that every parameter of ``layer`` matters to a parity test."""
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name == "sinks" or name.endswith("position_bias"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+
+
 def forward_backward(layer, x, g, phase, **kw):
     """(output, input grad, {name: grad}, indexer loss) of ``layer(x, phase=phase, **kw)`` and the backward of
     ``(y * g).sum()`` (a fresh leaf copy of x; the layer's gradients zeroed first)."""

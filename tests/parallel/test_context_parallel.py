@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import dsv4attn
 from dsv4attn.parallel import gather_rows, left_halo, segments, shard, unshard, with_left_halos
-from tests.layers.layer_helpers import forward_backward
+from tests.layers.layer_helpers import forward_backward, spread_parameters_
 from tests.spawned_ranks import run_ranks
 
 # Starts 0 1 4 8 13 13 99 399 408 425; 555 real rows, 5 padding rows -> 560 = 2 x 280 = 4 x 140.
@@ -38,14 +38,7 @@ def _pack():
 def _layer(ratio, dtype, seed=0):
     torch.manual_seed(seed)
     layer = dsv4attn.HybridAttention(dsv4attn.AttentionConfig.tiny(), ratio)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if name == "sinks" or name.endswith("position_bias"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
+    spread_parameters_(layer)
     return layer.to(dtype).train()
 
 

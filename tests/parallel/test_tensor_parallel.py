@@ -23,7 +23,7 @@ import torch.distributed as dist
 import dsv4attn
 from dsv4attn.checkpoints import to_hf_state_dict
 from dsv4attn.parallel import shard, unshard
-from tests.layers.layer_helpers import forward_backward
+from tests.layers.layer_helpers import forward_backward, spread_parameters_
 from tests.spawned_ranks import run_ranks
 
 # Starts 0 1 4 4 90 240 249; 266 real rows, 6 padding rows -> 272 = 2 x 136 (a chunk must hold ratio 128's halo).
@@ -40,16 +40,9 @@ def _layer(ratio, **kw):
     layer = dsv4attn.HybridAttention(cfg, ratio, **kw)
     # Sinks, positional biases and norms away from their constant init, so that every parameter matters.
     torch.manual_seed(1000 + ratio)
-    full = {}
-    with torch.no_grad():
-        for name, p in dsv4attn.HybridAttention(cfg, ratio).named_parameters():
-            if name == "sinks" or name.endswith("position_bias"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-            full[name] = p.detach().clone()
+    single = dsv4attn.HybridAttention(cfg, ratio)
+    spread_parameters_(single)
+    full = {name: p.detach().clone() for name, p in single.named_parameters()}
     layer.load_hf_state_dict(full)
     return layer.double().train(), {k: v.double() for k, v in full.items()}
 
