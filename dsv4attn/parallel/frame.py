@@ -93,10 +93,9 @@ class RowFrame:
         return t if self.group is None else comm.gather_rows(t, self.group, tag)
 
     def fetch(self, local: torch.Tensor, selected: torch.Tensor, tag: str | None = None):
-        """(rows, needed, remapped): the distinct gathered rows that ``selected`` (int, -1 = empty) names, fetched from
-        their owners' ``local`` blocks (the layout :meth:`gather` would make; differentiable), their gathered-row
-        ids ``needed`` (increasing), and ``selected``
-        renumbered to rows of that result (-1 kept)."""
+        """(rows, needed, remapped): the distinct gathered rows that ``selected`` (int, -1 = empty) names, fetched
+        from their owners' ``local`` blocks (the layout :meth:`gather` would make; differentiable), their
+        gathered-row ids ``needed`` (increasing), and ``selected`` renumbered to rows of that result (-1 kept)."""
         valid = selected >= 0
         needed = torch.unique(selected[valid].long())                       # increasing
         remapped = torch.where(valid, torch.searchsorted(needed, selected.long()),
