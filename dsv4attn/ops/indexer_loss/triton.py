@@ -264,6 +264,10 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
             terms, d_score = _kl_terms(mass, score2, valid, lse_i2, z_floor, sum_t)
             kl_acc += terms
             if SAVE_G:
+                # G[n] turns from I(j) into dKL/dI here. A slot's value is held by several warps (BLOCK_N is below
+                # the program's thread count), so without this barrier one warp's store could reach G[n] before
+                # another warp's load of I(j): a wrong KL on the H200 with Triton 3.9 (GPU test, 2026-12-02).
+                tl.debug_barrier()
                 tl.store(G + t * K + n, d_score, mask=n < K)
     return tl.sum(kl_acc, 0), lse_i2, z_floor, sum_t
 

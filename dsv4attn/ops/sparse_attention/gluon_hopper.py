@@ -238,7 +238,13 @@ if IMPORTED:
             [4, 4], [REGS[0], REGS[1]])
 
     @gluon.jit
-    def _mass_consumer(IDX, FULL_LSE, MASS, H, K, qk_scale, t, hb, q_smem, ring, full, empty,
+    def _mass_producer(Q, CKV, IDX, H, K, q_smem, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr):
+        t, hb = program_row(H)
+        _pp_producer(Q, CKV, IDX, H, K, t, hb, q_smem, ring, full, empty, D, BLOCK_N, STAGES)
+
+    @gluon.jit
+    def _mass_consumer(IDX, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
                        W: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         # Teacher mass, consumer warpgroup W: blocks b = W, W + 2, ... (independent: no hand-over between the
         # consumers): s = Q C^T, then m(j) = sum over this head block of exp(scale s_h(j) - L_h) for the valid
@@ -247,6 +253,8 @@ if IMPORTED:
         # for the slots that carry the mass, not with |L|.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
+        t, hb = program_row(H)
+        plane = MASS + hb.to(gl.int64) * (gl.num_programs(0) // (H // BLOCK_H_C)) * K    # this head block's (T, K)
         heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, s_layout))
         full_lse = gl.load(FULL_LSE + t * H + heads)
         full_lse = gl.where(full_lse == float("-inf"), 0.0, full_lse)    # a head without valid slots: p all 0
@@ -261,14 +269,17 @@ if IMPORTED:
             mbarrier.arrive(empty.index(b % STAGES))
             p = gl.exp2((s * qk_scale - full_lse[:, None]) * LOG2E_C)
             mass = gl.sum(gl.where((idx >= 0)[None, :], p, 0.0), 0)
-            gl.store(MASS + row_base + n, mass, mask=n < K)
+            gl.store(plane + row_base + n, mass, mask=n < K)
 
     @gluon.jit
     def _teacher_mass_gluon(Q, CKV, IDX, FULL_LSE, MASS, H, K, qk_scale,
                             D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
                             REGS: gl.constexpr):
-        # MASS: (H // 64, T, K) fp32, one plane per head block (summed by the caller).
-        t, hb = program_row(H)
+        # MASS: (H // 64, T, K) fp32, one plane per head block (summed by the caller). Every partition derives its
+        # row, head block and plane itself: values formed here before gl.warp_specialize reach the partitions
+        # through a shared-memory slot, and Triton 3.9 placed that slot inside the first consumer's reduction
+        # scratch (its head sum reduces across warps), so the other partitions could read a clobbered pointer
+        # (wrong masses on the GPU; tests/ops/test_gluon_builds.py checks every kernel for such an overlap).
         dtype: gl.constexpr = Q.dtype.element_ty
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H_C, D],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
@@ -276,13 +287,12 @@ if IMPORTED:
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
         full = mbarriers(STAGES, 128)
         empty = mbarriers(STAGES, 1)           # each stage is used by one consumer
-        plane = MASS + hb.to(gl.int64) * (gl.num_programs(0) // (H // BLOCK_H_C)) * K    # this head block's (T, K)
         gl.warp_specialize([
-            (_mass_consumer, (IDX, FULL_LSE, plane, H, K, qk_scale, t, hb, q_smem, ring, full, empty,
+            (_mass_consumer, (IDX, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
                               gl.constexpr(0), BLOCK_N, STAGES)),
-            (_mass_consumer, (IDX, FULL_LSE, plane, H, K, qk_scale, t, hb, q_smem, ring, full, empty,
+            (_mass_consumer, (IDX, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
                               gl.constexpr(1), BLOCK_N, STAGES)),
-            (_pp_producer, (Q, CKV, IDX, H, K, t, hb, q_smem, ring, full, empty, D, BLOCK_N, STAGES))],
+            (_mass_producer, (Q, CKV, IDX, H, K, q_smem, ring, full, empty, D, BLOCK_N, STAGES))],
             [4, 4], [REGS[0], REGS[1]])
 
 
