@@ -129,6 +129,42 @@ class PackedBatch:
         self._compared[id(cu_seqlens)] = (cu_seqlens, same)
         return same
 
+    def copy_(self, other: "PackedBatch") -> "PackedBatch":
+        """Make this pack describe ``other``'s batch by copying ``other``'s tensors into this pack's own, in place,
+        including the ``cu_seqlens`` tensor this pack was built from and the compressed layouts it has built:
+        what a CUDA graph captured with this pack reads on replay (docs/packing.md, "CUDA graphs"). Returns self.
+
+        Both packs must have the same shapes: the same ``total_rows`` and ``max_seqlen``, and ``cu_seqlens`` of the
+        same length, dtype and device (pad with empty documents: ``pack_batch(..., num_docs=N)``). ``other`` was
+        validated when it was built; nothing here reads a device value. Single-device packs only (a
+        context-parallel pack's frames hold rank-specific tables that this does not refresh)."""
+        if not isinstance(other, PackedBatch):
+            raise ValueError(f"copy_ needs a PackedBatch (dsv4attn.pack_batch), got {type(other).__name__}")
+        if self.cp_group is not None or other.cp_group is not None:
+            raise ValueError("copy_ supports single-device packs only; a context-parallel pack (cp_group=...) "
+                             "cannot be refilled in place")
+        for name in ("total_rows", "max_seqlen"):
+            if getattr(self, name) != getattr(other, name):
+                raise ValueError(f"copy_: {name} differs ({getattr(self, name)} here, {getattr(other, name)} in "
+                                 f"other); a refilled pack keeps its shapes: build both with the same {name}")
+        mine, theirs = self.cu_seqlens, other.cu_seqlens
+        if (mine.shape, mine.dtype, mine.device) != (theirs.shape, theirs.dtype, theirs.device):
+            raise ValueError(f"copy_: cu_seqlens differ in shape, dtype or device ({tuple(mine.shape)} {mine.dtype} "
+                             f"{mine.device} here, {tuple(theirs.shape)} {theirs.dtype} {theirs.device} in other); "
+                             f"pad both to one number of documents with pack_batch(..., num_docs=N)")
+        # Every check before the first copy: a refused call changes nothing.
+        layouts = {ratio: other.compressed(ratio) for ratio in self._layouts}
+        for name in ("cu_seqlens", "row_doc", "row_position", "row_doc_start", "row_is_real", "num_real_rows"):
+            getattr(self, name).copy_(getattr(other, name))
+        for ratio, layout in layouts.items():
+            kept = self._layouts[ratio]
+            for name in ("cu_compressed", "entry_doc", "entry_index", "entry_first_row", "entry_is_real",
+                         "row_first_entry", "row_visible", "entry_position"):
+                getattr(kept, name).copy_(getattr(layout, name))
+        object.__setattr__(self, "host_cu_seqlens", other.host_cu_seqlens)
+        self._compared.clear()          # equalities remembered for the old boundaries
+        return self
+
     def window_start(self, window: int) -> torch.Tensor:
         """(T,) int64 first raw row a query sees: max(document start, row - window + 1)."""
         rows = torch.arange(self.total_rows, device=self.device)
@@ -137,7 +173,7 @@ class PackedBatch:
 
 def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int | None = None,
                device: torch.device | None = None, *, cp_group=None, cp_partition: str | None = None,
-               cp_compressed: str = "gather") -> PackedBatch:
+               cp_compressed: str = "gather", num_docs: int | None = None) -> PackedBatch:
     """Build the :class:`PackedBatch` of a ``total_rows``-row batch, validating its metadata first.
 
     Args:
@@ -147,6 +183,9 @@ def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int
         max_seqlen: host int >= the longest document. ``None`` computes it (from the same host read).
         device: where to build the single-document ``cu_seqlens`` when it is ``None``; when both are given,
             ``cu_seqlens`` must be on ``device``.
+        num_docs: pad ``cu_seqlens`` with empty documents at the end to exactly this many documents (a batch with
+            more raises), so that packs of different batches have equal shapes: what :meth:`PackedBatch.copy_`
+            (CUDA-graph replay) needs, together with a fixed ``max_seqlen``. The pack then holds a new tensor.
 
     The validation always runs (it is not a debug check): one host read of ``cu_seqlens``
     (:func:`dsv4attn.checks.check_batch`); a bad batch raises a ValueError naming the entry and the rule. Inside a
@@ -173,6 +212,8 @@ def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int
     """
     if cp_compressed not in ("gather", "sharded"):
         raise ValueError(f"cp_compressed must be 'gather' or 'sharded', got {cp_compressed!r}")
+    if num_docs is not None:
+        cu_seqlens = _padded(cu_seqlens, num_docs, total_rows, device)
     if cp_group is not None:
         from .parallel.setup import agreed_pack          # parallel builds on packing: imported on use
         return agreed_pack(cu_seqlens, total_rows, max_seqlen, device, cp_group, cp_partition, cp_compressed)
@@ -212,6 +253,21 @@ def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int
     return PackedBatch(cu_seqlens=cu_seqlens, total_rows=total_rows, max_seqlen=max_seqlen, row_doc=row_doc,
                        row_position=row_position, row_doc_start=row_doc_start, row_is_real=row_is_real,
                        num_real_rows=cu[-1], host_cu_seqlens=host_values)
+
+
+def _padded(cu_seqlens: torch.Tensor | None, num_docs: int, total_rows: int, device) -> torch.Tensor:
+    """``cu_seqlens`` (None: one document of ``total_rows`` rows) with its last boundary repeated up to
+    ``num_docs`` documents: empty documents are legal and change nothing (docs/packing.md)."""
+    if isinstance(num_docs, bool) or not isinstance(num_docs, int) or num_docs < 1:
+        raise ValueError(f"num_docs must be an int >= 1, got {num_docs!r}")
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, total_rows], dtype=torch.int32, device=device)
+    checks.check_cu_seqlens(cu_seqlens)
+    have = cu_seqlens.shape[0] - 1
+    if have > num_docs:
+        raise ValueError(f"num_docs={num_docs} is fewer than the batch's {have} documents (cu_seqlens has "
+                         f"{have + 1} entries)")
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(num_docs - have)])
 
 
 def compressed_capacity(total_rows: int, num_docs: int, max_seqlen: int, ratio: int) -> int:

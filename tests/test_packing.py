@@ -188,3 +188,75 @@ def test_compressed_bad_ratio_names_it(ratio):
     pack = dsv4attn.pack_batch(torch.tensor([0, 5], dtype=torch.int32), 8, 5)
     with pytest.raises(ValueError, match=r"ratio must be an int >= 1"):
         pack.compressed(ratio)
+
+
+# ------------------------------------------------------------------ fixed shapes and refilling (CUDA-graph replay)
+PACK_TENSORS = ("cu_seqlens", "row_doc", "row_position", "row_doc_start", "row_is_real", "num_real_rows")
+LAYOUT_TENSORS = ("cu_compressed", "entry_doc", "entry_index", "entry_first_row", "entry_is_real",
+                  "row_first_entry", "row_visible", "entry_position")
+
+
+def _assert_same_pack(got, want, ratios=(4, 128)):
+    for name in PACK_TENSORS:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert (got.total_rows, got.max_seqlen) == (want.total_rows, want.max_seqlen)
+    for r in ratios:
+        a, b = got.compressed(r), want.compressed(r)
+        assert (a.capacity, a.max_per_doc) == (b.capacity, b.max_per_doc), r
+        for name in LAYOUT_TENSORS:
+            assert torch.equal(getattr(a, name), getattr(b, name)), (r, name)
+
+
+def test_num_docs_pads_with_empty_documents():
+    cu = cu_seqlens_of(LENGTHS)
+    T = int(cu[-1]) + 9
+    padded = torch.cat([cu, cu[-1:].repeat(3)])
+    _assert_same_pack(dsv4attn.pack_batch(cu, T, 130, num_docs=len(LENGTHS) + 3),
+                      dsv4attn.pack_batch(padded, T, 130))
+    single = dsv4attn.pack_batch(None, 40, num_docs=4)
+    assert single.cu_seqlens.tolist() == [0, 40, 40, 40, 40] and single.max_seqlen == 40
+    assert dsv4attn.pack_batch(cu, T, 130, num_docs=len(LENGTHS)).cu_seqlens.tolist() == cu.tolist()
+
+
+@pytest.mark.parametrize("num_docs, message", [(6, "num_docs=6 is fewer than the batch's 7 documents"),
+                                               (0, "num_docs must be an int >= 1"),
+                                               (2.0, "num_docs must be an int >= 1")])
+def test_num_docs_refuses_what_cannot_hold_the_batch(num_docs, message):
+    cu = cu_seqlens_of(LENGTHS)
+    with pytest.raises(ValueError, match=message):
+        dsv4attn.pack_batch(cu, int(cu[-1]), None, num_docs=num_docs)
+
+
+def test_copy_refills_every_tensor_and_built_layout_in_place():
+    """A pack refilled with another batch's pack equals that pack, in the same tensor objects (what a captured
+    CUDA graph reads); layouts it had not built are built from the new batch when first asked for."""
+    T, docs = 300, 9
+    static = dsv4attn.pack_batch(cu_seqlens_of(LENGTHS), T, 200, num_docs=docs)
+    before_cu = static.cu_seqlens
+    layout = static.compressed(4)
+    ptrs = {name: getattr(static, name).data_ptr() for name in PACK_TENSORS}
+    other = dsv4attn.pack_batch(cu_seqlens_of((130, 0, 64, 3, 1, 97)), T, 200, num_docs=docs)
+    assert static.copy_(other) is static
+    _assert_same_pack(static, other)
+    assert static.cu_seqlens is before_cu and static.compressed(4) is layout
+    assert {name: getattr(static, name).data_ptr() for name in PACK_TENSORS} == ptrs
+    assert static.host_cu_seqlens == other.host_cu_seqlens
+    assert static.same_cu_seqlens(other.cu_seqlens)
+
+
+@pytest.mark.parametrize("case", ["rows", "max_seqlen", "docs", "not_a_pack"])
+def test_copy_refuses_other_shapes_and_changes_nothing(case):
+    cu = cu_seqlens_of(LENGTHS)
+    static = dsv4attn.pack_batch(cu, 200, 150, num_docs=8)
+    static.compressed(4)
+    kept = {name: getattr(static, name).clone() for name in PACK_TENSORS}
+    other, message = {
+        "rows": (dsv4attn.pack_batch(cu, 201, 150, num_docs=8), "total_rows differs"),
+        "max_seqlen": (dsv4attn.pack_batch(cu, 200, 151, num_docs=8), "max_seqlen differs"),
+        "docs": (dsv4attn.pack_batch(cu, 200, 150, num_docs=9), r"num_docs=N"),
+        "not_a_pack": (cu, "copy_ needs a PackedBatch"),
+    }[case]
+    with pytest.raises(ValueError, match=message):
+        static.copy_(other)
+    for name, value in kept.items():
+        assert torch.equal(getattr(static, name), value), name

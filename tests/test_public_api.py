@@ -40,6 +40,9 @@ def test_pack_batch_signature():
     # docs/context_parallel.md "Sharded compressed memory": a keyword, default "gather" (the all-gather).
     assert params["cp_compressed"].kind is inspect.Parameter.KEYWORD_ONLY
     assert params["cp_compressed"].default == "gather"
+    # docs/packing.md "Under CUDA graphs": a keyword, default None (the batch's own number of documents).
+    assert params["num_docs"].kind is inspect.Parameter.KEYWORD_ONLY and params["num_docs"].default is None
+    assert callable(dsv4attn.PackedBatch.copy_)
 
 
 def test_sparse_attention_signature():

@@ -392,3 +392,30 @@ def test_indexer_inputs_checks_its_arguments(bad, message):
     pack = bad.get("pack", dsv4attn.pack_batch(torch.tensor([0, 16], dtype=torch.int32), 16, 16))
     with pytest.raises((ValueError, TypeError), match=message):
         layer.indexer_inputs(torch.randn(bad.get("rows", 16), bad.get("width", 128)), pack)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("ratio", RATIOS, ids=RATIO_IDS)
+def test_refilled_pack_equals_the_new_batch_pack(ratio, phase):
+    """What CUDA-graph replay relies on: a pack used once, then refilled in place with another batch's pack
+    (PackedBatch.copy_: same rows, max_seqlen and number of documents), gives the new batch's output, input
+    gradient, parameter gradients and indexer loss exactly."""
+    from layer_helpers import forward_backward
+    torch.manual_seed(2)
+    layer = make_layer(ratio)
+    T, docs, max_len = 260, 12, 200
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    g = torch.randn_like(x)
+    cu_a, _, _ = ragged_pack()
+    cu_b = torch.tensor([0, 131, 131, 140, 199, 200, 203], dtype=torch.int32)
+    static = dsv4attn.pack_batch(cu_a, T, max_len, num_docs=docs)
+    forward_backward(layer, x, g, phase, pack=static)            # builds and caches the pack's tables
+    fresh = dsv4attn.pack_batch(cu_b, T, max_len, num_docs=docs)
+    want = forward_backward(layer, x, g, phase, pack=fresh)
+    got = forward_backward(layer, x, g, phase, pack=static.copy_(dsv4attn.pack_batch(cu_b, T, max_len,
+                                                                                     num_docs=docs)))
+    for name, a, b in zip(("output", "input grad"), got[:2], want[:2]):
+        assert torch.equal(a, b), name
+    for name in want[2]:
+        assert torch.equal(got[2][name], want[2][name]), name
+    assert (got[3] is None) == (want[3] is None) and (want[3] is None or torch.equal(got[3], want[3]))
