@@ -81,7 +81,8 @@ class TrainConfig:
     fsdp: bool = option(False, "shard parameters, gradients and optimizer state over the data-parallel ranks "
                                "(FSDP2: a unit per attention layer and per block; on CUDA bf16 gathers with the "
                                "sinks and positional biases fp32); checkpoints hold the same full-state files as "
-                               "without it. Not with --cp > 1; one process runs unsharded")
+                               "without it. With --cp > 1 it shards over each CP rank's data-parallel group (the CP ranks of a replica "
+                               "sum their gradient shards); not with --tp > 1; one process runs unsharded")
     pg_timeout: float = option(300.0, "seconds a collective waits for the other ranks; past it the job stops on "
                                       "every rank with an error naming the rank that failed (instead of waiting "
                                       "forever)")
@@ -131,11 +132,6 @@ class TrainConfig:
                              "compressed KV; one rank per replica has nothing to share); leave it out with --cp 1")
         if not isinstance(self.fsdp, bool):
             raise ValueError(f"--fsdp must be a bool, got {self.fsdp!r}")
-        if self.fsdp and self.cp > 1:
-            # The layers' CP collectives and FSDP2's gathers would need one 2-D mesh (dp x cp) and gradients
-            # summed over the CP group inside FSDP's reduction; not built yet.
-            raise ValueError(f"--fsdp does not compose with --cp {self.cp} yet (FSDP2 shards over the data-parallel "
-                             f"ranks only); use --fsdp with --cp 1, or --cp without --fsdp (DDP)")
         if self.fsdp and self.tp > 1:
             # FSDP2 would shard the TP layers' local shards over the data-parallel ranks: a 2-D (dp, tp) mesh and
             # DTensor placements for the head shards, not built yet.

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..layers.common import is_sharded
 from ..parallel import shard
 
 
@@ -146,13 +147,17 @@ def sum_gradients(parameters, cp_group) -> None:
     """All-reduce (sum) the gradients over the CP group: one flat buffer per dtype, so one collective each.
 
     Every rank of a CP group runs every layer, so the parameters holding a gradient are the same on all of them.
+    Under ``--fsdp`` a gradient is this rank's shard (a DTensor, already reduced over the data-parallel ranks); the
+    ranks of a CP group are the same data-parallel rank of their own replica's group, so they hold the same shard
+    and its local values are summed alike.
     """
     if cp_group is None:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+            grad = p.grad.to_local() if is_sharded(p.grad) else p.grad
+            by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=cp_group)

@@ -3,8 +3,9 @@
 One spawn of 2 processes runs, in its workers: a 4-step ``--fsdp`` run (every phase, an evaluation at steps 2 and
 4) stopped after 2 steps and resumed from its checkpoint, then the same options under DDP. The parent compares
 the logs (fp32: rtol 1e-4; a reduce-scatter adds in another order than an all-reduce) and the checkpoints: the
-same files with the same tensor names, shapes and dtypes, values within the same tolerance. ``--fsdp`` with
-``--cp`` > 1 is refused before anything runs.
+same files with the same tensor names, shapes and dtypes, values within the same tolerance. A spawn of 4 processes
+compares ``--fsdp --cp 2`` (2 replicas of 2 context-parallel ranks) with ``--cp 2`` under DDP the same way.
+``--fsdp`` with ``--tp`` > 1 is refused before anything runs.
 """
 from __future__ import annotations
 
@@ -26,15 +27,24 @@ from tests.spawned_ranks import run_ranks
 RUN = dict(steps=4, dense_steps=1, warmup_steps=2, capacity=192, eval_every=2, eval_batches=1, plot=False)
 
 
+def _runs(world, result_dir):
+    """The runs every rank makes: on 2 ranks --fsdp stopped after 2 steps and resumed, then DDP; on 4 ranks
+    --fsdp --cp 2, then DDP --cp 2 (128 rows per CP rank, so that the layers' halo fits)."""
+    fsdp, ddp = os.path.join(result_dir, "fsdp"), os.path.join(result_dir, "ddp")
+    if world == 2:
+        return [dict(RUN, fsdp=True, out=fsdp, stop_after=2), dict(RUN, fsdp=True, out=fsdp, resume=fsdp),
+                dict(RUN, out=ddp)]
+    run = dict(RUN, capacity=256, cp=2)
+    return [dict(run, fsdp=True, out=fsdp), dict(run, out=ddp)]
+
+
 def _worker(rank, world, init_file, result_dir):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
         torch.set_num_threads(1)
-        out = os.path.join(result_dir, "fsdp")
-        train(TrainConfig(**RUN, fsdp=True, out=out, stop_after=2))
-        train(TrainConfig(**RUN, fsdp=True, out=out, resume=out))
-        train(TrainConfig(**RUN, out=os.path.join(result_dir, "ddp")))
+        for run in _runs(world, result_dir):
+            train(TrainConfig(**run))
         dist.destroy_process_group()
         with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
             f.write("ok\n")
@@ -48,16 +58,27 @@ def _records(out, kind):
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
-def test_fsdp_equals_ddp_and_writes_the_same_checkpoints(tmp_path):
-    world = 2
+def _spawn_runs(world, tmp_path, deadline_s):
+    """(fsdp run folder, ddp run folder) after :func:`_runs` ran on ``world`` spawned ranks."""
     with tempfile.TemporaryDirectory() as tmp:
-        run_ranks(_worker, world, tmp, deadline_s=300)
+        run_ranks(_worker, world, tmp, deadline_s=deadline_s)
         for name in ("fsdp", "ddp"):
             os.rename(os.path.join(tmp, name), tmp_path / name)
-    fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
+    return tmp_path / "fsdp", tmp_path / "ddp"
+
+
+def test_fsdp_equals_ddp_and_writes_the_same_checkpoints(tmp_path):
+    world = 2
+    fsdp, ddp = _spawn_runs(world, tmp_path, deadline_s=300)
     assert [r["fsdp"] for r in _records(fsdp, "start")] == [True, True]
     assert [r["fsdp"] for r in _records(ddp, "start")] == [False]
     assert _records(fsdp, "start")[1]["resumed_from"].endswith("step_0000002")
+    assert (fsdp / "checkpoints" / "step_0000002" / "manifest.json").is_file()      # where the stopped run ended
+    _assert_same_runs(fsdp, ddp, world)
+
+
+def _assert_same_runs(fsdp, ddp, world):
+    """The --fsdp run's logs and last checkpoint equal the DDP run's (fp32: within rounding)."""
     for kind, steps in (("train", [1, 2, 3, 4]), ("eval", [2, 4])):
         a, b = _records(fsdp, kind), _records(ddp, kind)
         assert [r["step"] for r in a] == [r["step"] for r in b] == steps
@@ -67,7 +88,6 @@ def test_fsdp_equals_ddp_and_writes_the_same_checkpoints(tmp_path):
                     assert ra.get(key) is None, (kind, ra["step"], key)
                 else:
                     assert ra[key] == pytest.approx(rb[key], rel=1e-4), (kind, ra["step"], key)
-    assert (fsdp / "checkpoints" / "step_0000002" / "manifest.json").is_file()      # where the stopped run ended
     for step in ("step_0000004",):
         a, b = fsdp / "checkpoints" / step, ddp / "checkpoints" / step
         assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
@@ -84,9 +104,14 @@ def test_fsdp_equals_ddp_and_writes_the_same_checkpoints(tmp_path):
                 assert type(oa["state"][i][name]) is torch.Tensor and oa["state"][i][name].shape == v.shape
                 torch.testing.assert_close(oa["state"][i][name], v, rtol=1e-3, atol=1e-6)
         meta = json.loads((a / "meta.json").read_text())
-        assert meta["run_config"]["fsdp"] is True and meta["world_size"] == 2
+        assert meta["run_config"]["fsdp"] is True and meta["world_size"] == world
 
 
-def test_fsdp_with_cp_is_refused():
-    with pytest.raises(ValueError, match=r"--fsdp does not compose with --cp 2 yet"):
-        TrainConfig(fsdp=True, cp=2).validate()
+def test_fsdp_with_context_parallelism_equals_ddp(tmp_path):
+    """--fsdp --cp 2 on 4 ranks: FSDP2 shards over each context-parallel rank's data-parallel group (the ranks
+    of one CP group hold the same shard, whose gradient they sum) and matches DDP with --cp 2."""
+    world = 4
+    fsdp, ddp = _spawn_runs(world, tmp_path, deadline_s=400)
+    assert [r["fsdp"] for r in _records(fsdp, "start")] == [True]
+    assert [r["fsdp"] for r in _records(ddp, "start")] == [False]
+    _assert_same_runs(fsdp, ddp, world)
