@@ -8,14 +8,21 @@ one document). ``score ms`` runs only the score kernel over the same query chunk
 of 10 runs after warm-up (CUDA events); the kernels are called directly (no argument checks). Run (CUDA, Triton):
 
     python benchmarks/indexer.py --T 8192 32768 131072 262144 [--reference-T 8192 32768] [--check-T 8192]
-                                 [--sweep] [--log out.txt]
+                                 [--sweep] [--cudnn .peers] [--log out.txt]
+
+``--cudnn .peers`` (one document only) also times cuDNN Frontend 1.32's SM90 indexer on the same inputs, the path
+Megatron takes on Hopper: ``indexer_forward_wrapper`` (a dense (T, T/4) fp32 score matrix, causal at ratio 4) then
+``indexer_top_k_wrapper`` (radix top-k, ties to the lower index), its wheels under ``.peers/cudnn_b``
+(docs/performance.md, "Peers": a first device call stashes ``.peers/cudnn_a``). Ours and cuDNN's alternate over 7
+rounds (medians); the row prints the ratio, both peak memories and the share of rows where both select the same
+set. Where cuDNN runs out of memory the row says so.
 """
 from __future__ import annotations
 
 import argparse
 
 import torch
-from gpu_timing import peak_mib, start_log, time_ms
+from gpu_timing import paired_ms, peak_mib, start_log, time_ms
 
 MATMUL_PEAK_TFLOPS = 782.0      # bf16 8192^3 matmul measured on the lent H200 (docs/performance.md)
 RATIO = 4
@@ -108,6 +115,50 @@ def bench(T: int, cfg, doc_len: int, log, with_reference: bool, config=None, tag
             f"{flop / ref_ms / 1e9 / MATMUL_PEAK_TFLOPS:6.3f} | {ref_mem:9.0f} |   (triton {ref_ms / ms:.1f}x faster)")
 
 
+def bench_cudnn(T: int, cfg, log, cudnn_dir: str) -> None:
+    """Ours against cuDNN's SM90 indexer (score matrix + top-k) on one document of T rows (module docstring)."""
+    from dsv4attn.ops.indexer import triton as ixt
+    q, k, w, cand, pairs = make_inputs(T, 0, cfg)
+    topk, flop = cfg.index_topk, 2.0 * cfg.index_n_heads * cfg.index_head_dim * pairs
+    forward, top_k = load_cudnn_indexer(cudnn_dir)
+    layout = cand.layout
+    seq_lens = layout.row_visible.to(torch.int32)
+    q4, k4, w3 = q[None], k[None, :, None], w[None].float()
+
+    def ours():
+        return ixt.indexer_topk_triton(q, k, w, cand, topk)
+
+    def theirs():
+        scores = forward(q4, k4, w3, ratio=RATIO, sm_scale=1.0)["scores"][0]
+        return top_k(scores, seq_lens, topk, tie_break=1)["indices"]
+
+    shape = f"T={T} doc={T} Hi={cfg.index_n_heads} Di={cfg.index_head_dim} k={topk}"
+    try:
+        same = (ours().sort(1).values == theirs().to(torch.int32).sort(1).values).all(1).float().mean().item()
+        ours_ms, cudnn_ms, ratios = paired_ms(ours, theirs)
+        mine, other = peak_mib(ours), peak_mib(theirs)
+    except torch.OutOfMemoryError:
+        log(f"| cuDNN 1.32 SM90 indexer | {shape} | {pairs:.3e} | out of memory (its (T, T/4) fp32 score matrix: "
+            f"{T * (T // 4) * 4 / 2**30:.1f} GiB) |")
+        torch.cuda.empty_cache()
+        return
+    log(f"| ours vs cuDNN 1.32 SM90 indexer | {shape} | {pairs:.3e} | {ours_ms:9.2f} vs {cudnn_ms:9.2f} | "
+        f"x cuDNN {cudnn_ms / ours_ms:5.2f} (per round {min(ratios):.2f} .. {max(ratios):.2f}) | "
+        f"{flop / ours_ms / 1e9:7.1f} vs {flop / cudnn_ms / 1e9:7.1f} TFLOP/s | peak MiB {mine:.0f} vs {other:.0f} | "
+        f"same set on {same:.2%} of rows |")
+
+
+def load_cudnn_indexer(folder: str):
+    """(indexer_forward_wrapper, indexer_top_k_wrapper) of the cuDNN Frontend wheels under ``folder/cudnn_b``."""
+    import sys
+    sys.path.insert(0, f"{folder}/cudnn_b")
+    from load_cudnn_dsa import load
+    load(f"{folder}/cudnn_b")              # installs the wheels (and puts them on the path) on first use
+    from cudnn.deepseek_sparse_attention.indexer_forward.api import indexer_forward_wrapper
+    from cudnn.deepseek_sparse_attention.indexer_top_k.api import indexer_top_k_wrapper
+    return indexer_forward_wrapper, indexer_top_k_wrapper
+
+
 SWEEP = [dict(BLOCK_T=t, BLOCK_E=e, num_warps=nw, num_stages=ns)
          for t, e, nw, ns in [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3),
                               (128, 128, 8, 2), (64, 256, 8, 2), (32, 128, 4, 3)]]
@@ -135,8 +186,12 @@ def main() -> None:
                         help="T values at which the reference is also timed (slow: it gathers every candidate)")
     parser.add_argument("--check-T", type=int, default=8192, help="0 skips the correctness check")
     parser.add_argument("--sweep", action="store_true", help="also time the tile configurations in SWEEP at T[0]")
+    parser.add_argument("--cudnn", default=None, help="folder holding cudnn_b of get_cudnn_dsa.sh, e.g. .peers "
+                        "(optional peer: cuDNN's SM90 indexer; one document only)")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
+    if args.cudnn and args.doc_len:
+        parser.error("--cudnn times one document per batch: leave --doc-len out")
     log = start_log("indexer.py", args.log)
     log("bf16 inputs")
     import dsv4attn
@@ -149,6 +204,9 @@ def main() -> None:
     for T in args.T:
         bench(T, cfg, args.doc_len, log, with_reference=T in args.reference_T)
         torch.cuda.empty_cache()
+        if args.cudnn:
+            bench_cudnn(T, cfg, log, args.cudnn)
+            torch.cuda.empty_cache()
     if args.sweep:
         sweep(args.T[0], cfg, args.doc_len, log)
 
