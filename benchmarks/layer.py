@@ -13,6 +13,13 @@ sparse attention, indexer KL) and replays each call on its own, forward and forw
 "rest" is the layer's forward + backward minus those ops: the projections, norms, RoPE and the output projection.
 ``--profile N`` runs one more forward + backward of each case under ``torch.profiler`` and prints the N kernels
 (or, on the CPU, operators) with the most self time: what "rest" is made of.
+
+``--peers .peers`` (with ``--breakdown``, one document per batch) replays the layer's own op calls through the peers
+a Megatron-style Hopper stack would run for them: the attention through FlashMLA's sparse forward and cuDNN
+Frontend 1.32's backward (fed FlashMLA's out and lse; the slots padded with -1 to a multiple of 128), the indexer
+top-k through cuDNN's SM90 indexer (score matrix + top-k); folders as for benchmarks/sparse_attention.py and
+benchmarks/indexer.py (docs/performance.md, "Peers"). The peer table gives each op's time beside ours and the
+composite layer: ours with those ops replaced by the peers' times (the KL and the rest stay ours).
 """
 from __future__ import annotations
 
@@ -138,6 +145,70 @@ def profile_case(layer, x, cu, doc, phase, device, rows: int) -> None:
             continue
 
 
+class Peers:
+    """FlashMLA's forward, cuDNN's backward and cuDNN's indexer, loaded from ``folder`` (module docstring)."""
+
+    def __init__(self, folder: str):
+        import sys
+        sys.path.insert(0, f"{folder}/flashmla")
+        sys.path.insert(0, f"{folder}/cudnn_b")
+        from load_cudnn_dsa import load as load_cudnn
+        from load_flashmla import load as load_flashmla
+        self.flashmla = load_flashmla(f"{folder}/flashmla")
+        self.cudnn_bwd = load_cudnn(f"{folder}/cudnn_b")
+        from cudnn.deepseek_sparse_attention.indexer_forward.api import indexer_forward_wrapper
+        from cudnn.deepseek_sparse_attention.indexer_top_k.api import indexer_top_k_wrapper
+        self.indexer_scores, self.indexer_top_k = indexer_forward_wrapper, indexer_top_k_wrapper
+
+    def attention(self, q, kv, indices, sinks, scale):
+        """(forward ms, forward + backward ms) of FlashMLA's forward then cuDNN's backward on the layer's call."""
+        from dsv4attn.ops.index_sets import IndexSet
+        idx = (indices.materialize() if isinstance(indices, IndexSet) else indices).to(torch.int32)
+        pad = -idx.shape[1] % 128                      # FlashMLA takes K in multiples of 128 on SM90
+        idx = torch.nn.functional.pad(idx, (0, pad), value=-1).contiguous()
+        q, kv, sinks = q.detach(), kv.detach().to(q.dtype), sinks.detach().float()
+
+        def forward():
+            return self.flashmla.flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], scale, kv.shape[1], sinks)
+
+        out, _, lse = forward()
+        dout = torch.randn_like(out)
+        fwd = _time_call(forward, (), {}, False, backward=False)
+        bwd = _time_call(lambda: self.cudnn_bwd(q, kv, out, dout, lse, sinks, idx, softmax_scale=scale), (), {},
+                         False, backward=False)
+        return fwd, fwd + bwd
+
+    def indexer(self, index_q, index_k, index_w, candidates, topk):
+        """Forward ms of cuDNN's score matrix + top-k on the layer's call (no backward: top-k has no gradient)."""
+        layout = candidates
+        while not hasattr(layout, "layout"):           # Rows wrappers of the frame around VisibleCompressed
+            layout = layout.base
+        seq_lens = layout.layout.row_visible.to(torch.int32)
+        q4, k4, w3 = index_q.detach()[None], index_k.detach()[None, :, None], index_w.detach()[None].float()
+
+        def run():
+            scores = self.indexer_scores(q4, k4, w3, ratio=4, sm_scale=1.0)["scores"][0]
+            return self.indexer_top_k(scores, seq_lens, topk, tie_break=1)["indices"]
+
+        ms = _time_call(run, (), {}, False, backward=False)
+        return ms, ms
+
+
+def peer_breakdown(calls, peers: Peers) -> dict[str, tuple[float, float]]:
+    """label -> the peers' (forward ms, forward + backward ms) for the op calls they can run, summed per label."""
+    totals = defaultdict(lambda: [0.0, 0.0])
+    for label, fn, args, kwargs, grad in calls:
+        if label == "attention":
+            times = peers.attention(*args[:5])
+        elif label == "indexer top-k":
+            times = peers.indexer(*args[:5])
+        else:
+            continue
+        totals[label][0] += times[0]
+        totals[label][1] += times[1]
+    return {k: tuple(v) for k, v in totals.items()}
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -157,10 +228,15 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"])
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile one step per case and print its N most expensive kernels")
+    ap.add_argument("--peers", default=None, help="folder of the peers (e.g. .peers; with --breakdown, one document): "
+                    "FlashMLA, cuDNN's backward and indexer in place of ours, op by op")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.breakdown and device.type != "cuda":
         raise SystemExit("--breakdown needs a CUDA device")
+    if args.peers and not (args.breakdown and args.doc_len == 0):
+        ap.error("--peers needs --breakdown and one document per batch (leave --doc-len out)")
+    peers = Peers(args.peers) if args.peers else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = getattr(dsv4attn.AttentionConfig, args.preset)()
     dsv4attn.set_checks(False)
@@ -191,7 +267,8 @@ def main() -> None:
                 print(f"| {T} | {doc} | {ratio} | {phase} | {fwd:.1f} | {total:.1f} | {peak:.1f} | {reserved:.1f} | "
                       f"{live:.2f} |", flush=True)
                 if args.breakdown:
-                    details.append((T, ratio, phase, fwd, total, breakdown(calls)))
+                    details.append((T, ratio, phase, fwd, total, breakdown(calls),
+                                    peer_breakdown(calls, peers) if peers else {}))
                     del calls
                 if args.profile:
                     profile_case(layer, x, cu, doc, phase, device, args.profile)
@@ -201,12 +278,26 @@ def main() -> None:
         labels = ["compressor pool", "indexer top-k", "attention", "indexer KL", "indexer KL (window LSE)"]
         print("| T | ratio | phase | " + " | ".join(labels) + " | rest (proj, norms, RoPE, output) | layer |")
         print("|---|---|---|" + "---|" * (len(labels) + 2))
-        for T, ratio, phase, fwd, total, parts in details:
+        for T, ratio, phase, fwd, total, parts, _ in details:
             cells = [f"{parts[k][0]:.1f} / {parts[k][1]:.1f}" if k in parts else "-" for k in labels]
             rest_f = fwd - sum(v[0] for v in parts.values())
             rest_t = total - sum(v[1] for v in parts.values())
             print(f"| {T} | {ratio} | {phase} | " + " | ".join(cells) +
                   f" | {rest_f:.1f} / {rest_t:.1f} | {fwd:.1f} / {total:.1f} |")
+    if peers is not None and details:
+        print("\nPeers op by op (ms forward / forward+backward; ours / peer) and the composite layer: ours with the "
+              "attention and the indexer top-k taken at the peers' times")
+        print("| T | ratio | phase | attention: ours | FlashMLA + cuDNN | indexer top-k: ours | cuDNN indexer | "
+              "layer: ours | composite | x composite |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for T, ratio, phase, fwd, total, parts, peer in details:
+            def cell(d, k):
+                return f"{d[k][0]:.1f} / {d[k][1]:.1f}" if k in d else "-"
+            comp_f = fwd - sum(parts[k][0] - peer[k][0] for k in peer)
+            comp_t = total - sum(parts[k][1] - peer[k][1] for k in peer)
+            print(f"| {T} | {ratio} | {phase} | {cell(parts, 'attention')} | {cell(peer, 'attention')} | "
+                  f"{cell(parts, 'indexer top-k')} | {cell(peer, 'indexer top-k')} | {fwd:.1f} / {total:.1f} | "
+                  f"{comp_f:.1f} / {comp_t:.1f} | {comp_t / total:.2f} |")
 
 
 if __name__ == "__main__":
