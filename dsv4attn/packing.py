@@ -139,7 +139,7 @@ class PackedBatch:
         validated when it was built; nothing here reads a device value. Single-device packs only (a
         context-parallel pack's frames hold rank-specific tables that this does not refresh)."""
         if not isinstance(other, PackedBatch):
-            raise ValueError(f"copy_ needs a PackedBatch (dsv4attn.pack_batch), got {type(other).__name__}")
+            raise TypeError(f"copy_ needs a PackedBatch (dsv4attn.pack_batch), got {type(other).__name__}")
         if self.cp_group is not None or other.cp_group is not None:
             raise ValueError("copy_ supports single-device packs only; a context-parallel pack (cp_group=...) "
                              "cannot be refilled in place")
@@ -260,6 +260,8 @@ def _padded(cu_seqlens: torch.Tensor | None, num_docs: int, total_rows: int, dev
     ``num_docs`` documents: empty documents are legal and change nothing (docs/packing.md)."""
     if isinstance(num_docs, bool) or not isinstance(num_docs, int) or num_docs < 1:
         raise ValueError(f"num_docs must be an int >= 1, got {num_docs!r}")
+    if isinstance(total_rows, bool) or not isinstance(total_rows, int) or not 0 <= total_rows < 2**31:
+        raise ValueError(f"total_rows must be an int in [0, 2**31) (cu_seqlens is int32), got {total_rows!r}")
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, total_rows], dtype=torch.int32, device=device)
     checks.check_cu_seqlens(cu_seqlens)

@@ -13,10 +13,11 @@ sm_90 with the installed Triton). Triton 3.6, 3.7 and 3.9 build them all:
 
 3.9 keeps the old copy names only to raise "has been removed", so the new names are looked up first.
 ``gl.warp_specialize([(default, args), (worker, args), ...], worker_num_warps, worker_num_regs)`` takes the same
-arguments in all three and needs no shim. A value a kernel forms before ``gl.warp_specialize`` reaches the partitions through a
-shared-memory slot, and Triton 3.9 may place that slot inside a partition's reduction scratch, where the partition
-overwrites it (the teacher-mass kernel was laid out so): a partition whose code reduces across warps derives such
-values itself, and tests/ops/test_gluon_builds.py checks every kernel's layout for the overlap.
+arguments in all three and needs no shim. A value a kernel forms before ``gl.warp_specialize`` reaches the
+partitions through a shared-memory slot, and Triton 3.9 may place that slot inside a partition's reduction
+scratch, where the partition overwrites it (the teacher-mass kernel was laid out so): a partition whose code
+reduces across warps derives such values itself, and tests/ops/test_gluon_builds.py checks every kernel's layout
+for the overlap.
 
 :data:`IMPORTED` is False where this Triton has no usable Gluon (or lacks one of the names): the package still
 imports (the names a kernel module imports from here exist, as None), the kernel modules define no kernels, and

@@ -20,8 +20,10 @@ every rank calls them) into exactly the dicts ``model.state_dict()`` / ``optimiz
 FSDP; :func:`load_full_state_dict` and :func:`load_full_optimizer_state_dict` put such dicts back into a sharded
 model and its optimizer (no communication: every rank holds the full dicts and keeps its own shard).
 
-Composition: FSDP2 here shards over one data-parallel mesh; context parallelism (``cp_group``) on top of it is
-not supported yet (the training job refuses ``--fsdp`` with ``--cp`` > 1).
+Composition: FSDP2 here shards over one data-parallel mesh. With context parallelism (``cp_group``), shard over
+each CP rank's data-parallel group (the ranks holding the same CP rank of every replica): the ranks of one CP group
+then hold the same shard, and after the backward they sum its local values (``p.grad.to_local()``) over the CP
+group, as the training job's ``--fsdp --cp N`` does. Not with tensor parallelism yet.
 """
 from __future__ import annotations
 

@@ -81,8 +81,9 @@ class TrainConfig:
     fsdp: bool = option(False, "shard parameters, gradients and optimizer state over the data-parallel ranks "
                                "(FSDP2: a unit per attention layer and per block; on CUDA bf16 gathers with the "
                                "sinks and positional biases fp32); checkpoints hold the same full-state files as "
-                               "without it. With --cp > 1 it shards over each CP rank's data-parallel group (the CP ranks of a replica "
-                               "sum their gradient shards); not with --tp > 1; one process runs unsharded")
+                               "without it. With --cp > 1 it shards over each CP rank's data-parallel group (the "
+                               "CP ranks of a replica sum their gradient shards); not with --tp > 1; a single "
+                               "replica (world = cp) runs unsharded")
     pg_timeout: float = option(300.0, "seconds a collective waits for the other ranks; past it the job stops on "
                                       "every rank with an error naming the rank that failed (instead of waiting "
                                       "forever)")

@@ -50,6 +50,7 @@ def test_captured_layer_replays_other_batches_like_eager(ratio, phase):
     # The gradients the graph writes on every replay (the eager runs below give the layer other .grad tensors).
     static_dx = static_x.grad
     static_grads = {n: p.grad for n, p in layer.named_parameters()}
+    static_loss = layer.indexer_loss         # the capture's detached loss tensor (None without an indexer loss)
 
     for b, bounds in enumerate(BATCHES[1:] + BATCHES[:1]):
         x = torch.randn(T, hidden, device="cuda")
@@ -69,3 +70,6 @@ def test_captured_layer_replays_other_batches_like_eager(ratio, phase):
         torch.testing.assert_close(got[1], want[1], **tol, msg=lambda m: f"{where} input grad: {m}")
         for name in want[2]:
             torch.testing.assert_close(got[2][name], want[2][name], **tol, msg=lambda m: f"{where} {name}: {m}")
+        assert (static_loss is None) == (want[3] is None), where
+        if want[3] is not None:
+            torch.testing.assert_close(static_loss, want[3], **tol, msg=lambda m: f"{where} indexer loss: {m}")

@@ -79,19 +79,27 @@ def compile_sm90(fn, signature: dict, constexprs: dict):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=constexprs["num_warps"]))
 
 
-def handed_over_slots_in_scratch(llir: str) -> list[int]:
-    """Offsets of the shared-memory slots through which a kernel hands values formed before ``gl.warp_specialize``
-    to its partitions that are also the base of a dynamically indexed shared-memory buffer (a partition's reduction
-    or layout-conversion scratch). A partition writing its scratch there clobbers the value another partition has
-    not read yet: Triton 3.9 laid out the teacher-mass kernel that way (a pointer slot inside the first consumer's
-    head-sum scratch), which gave wrong masses on the GPU while every compile succeeded. Read from the LLVM IR: the
-    slots are the scalar stores of SSA values at constant offsets of ``@global_smem``."""
+def handed_over_slots_in_scratch(llir: str) -> tuple[list[int], int]:
+    """(slots at the base of a scratch buffer, number of scratch buffers found) of a kernel's LLVM IR.
+
+    A slot is where a kernel hands a value formed before ``gl.warp_specialize`` to its partitions: a scalar SSA value
+    stored at a constant offset of ``@global_smem``. A scratch buffer is addressed with a runtime offset from a
+    constant base (a partition's reduction or layout-conversion scratch, a ring). A partition writing its scratch
+    over a slot clobbers the value another partition has not read yet: Triton 3.9 laid out the teacher-mass kernel
+    that way (a pointer slot at the base of the first consumer's head-sum scratch, another 8 bytes in), which gave
+    wrong masses on the GPU while every compile succeeded. Offset 0 appears as ``@global_smem`` itself. Buffer sizes
+    are not in the IR, so a slot inside a buffer but not at its base goes unseen; the count lets a test notice an IR
+    format this no longer reads (no buffer found)."""
     import re
-    base = r"getelementptr \(i8, ptr addrspace\(3\) @global_smem, i32 (\d+)\)"
-    slots = {int(m) for m in re.findall(r"store (?:ptr addrspace\(1\)|i64|i32|float) %\w+, ptr addrspace\(3\) "
-                                        + base, llir)}
-    scratch = {int(m) for m in re.findall(base + r", i32 %", llir)}
-    return sorted(slots & scratch)
+    const = r"getelementptr \(i8, ptr addrspace\(3\) @global_smem, i32 (\d+)\)"
+    scalar = r"store (?:ptr addrspace\(1\)|i64|i32|float) %[\w.]+, ptr addrspace\(3\) "
+    slots = {int(m) for m in re.findall(scalar + const, llir)}
+    if re.search(scalar + r"@global_smem\b(?!,\s*i32)", llir):
+        slots.add(0)
+    bases = {int(m) for m in re.findall(const + r", i32 %", llir)}
+    if re.search(r"ptr addrspace\(3\) @global_smem, i32 %", llir):
+        bases.add(0)
+    return sorted(slots & bases), len(bases)
 
 
 KERNEL_NAMES = ["attn_fwd", "teacher_mass", "attn_bwd", "indexer_scores", "indexer_scores_table", "kl_bwd"]
@@ -104,7 +112,7 @@ def _worker():
         try:
             kernel = compile_sm90(fn, signature, constexprs)
             results[name] = dict(shared=kernel.metadata.shared, cubin=len(kernel.asm["cubin"]),
-                                 clobbered=handed_over_slots_in_scratch(kernel.asm["llir"]))
+                                 scratch=handed_over_slots_in_scratch(kernel.asm["llir"]))
         except Exception as exc:                # reported by the test of this kernel
             results[name] = dict(error=f"{type(exc).__name__}: {str(exc)[-3000:]}")
     print("RESULTS " + json.dumps(results), flush=True)
@@ -135,9 +143,11 @@ def test_gluon_kernel_builds_for_sm90(builds, name):
     assert result["cubin"] > 0
     assert 0 < result["shared"] <= SM90_SHARED_MEMORY_BYTES, \
         f"{name}: {result['shared']} bytes of shared memory, more than an SM90 block has"
-    assert not result["clobbered"], (
+    clobbered, buffers = result["scratch"]
+    assert buffers, f"{name}: no shared-memory buffer found in its LLVM IR (has the IR format changed?)"
+    assert not clobbered, (
         f"{name}, Triton {triton.__version__}: a value handed to the warp-specialized partitions sits at shared-memory "
-        f"offset(s) {result['clobbered']}, inside a partition's scratch; derive it inside each partition instead")
+        f"offset(s) {clobbered}, inside a partition's scratch; derive it inside each partition instead")
 
 
 def test_the_package_imports_without_gluon():
