@@ -84,6 +84,10 @@ class TrainConfig:
                                "without it. With --cp > 1 it shards over each CP rank's data-parallel group (the "
                                "CP ranks of a replica sum their gradient shards); not with --tp > 1; a single "
                                "replica (world = cp) runs unsharded")
+    cuda_graphs: bool = option(False, "capture each phase's forward and backward once in a CUDA graph and replay "
+                                      "it for every batch (one process on a CUDA device; the dense and warm-up "
+                                      "phases then size their candidate sets by --capacity, not by the batch's "
+                                      "longest document)")
     pg_timeout: float = option(300.0, "seconds a collective waits for the other ranks; past it the job stops on "
                                       "every rank with an error naming the rank that failed (instead of waiting "
                                       "forever)")
@@ -133,6 +137,11 @@ class TrainConfig:
                              "compressed KV; one rank per replica has nothing to share); leave it out with --cp 1")
         if not isinstance(self.fsdp, bool):
             raise ValueError(f"--fsdp must be a bool, got {self.fsdp!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"--cuda-graphs must be a bool, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and (self.cp > 1 or self.tp > 1 or self.fsdp):
+            raise ValueError("--cuda-graphs runs one process: not with --cp > 1, --tp > 1 or --fsdp (the captured "
+                             "step makes no collective)")
         if self.fsdp and self.tp > 1:
             # FSDP2 would shard the TP layers' local shards over the data-parallel ranks: a 2-D (dp, tp) mesh and
             # DTensor placements for the head shards, not built yet.
@@ -199,11 +208,12 @@ class TrainConfig:
 # Options that may differ when resuming (where output goes and how often it is written or evaluated); every other
 # option shapes the run and must equal the checkpoint's, or --resume refuses.
 RESUME_FREE = frozenset({"out", "resume", "overwrite", "plot", "eval_every", "eval_batches", "save_every", "keep",
-                         "device", "stop_after", "pg_timeout", "fsdp", "tp"})
+                         "device", "stop_after", "pg_timeout", "fsdp", "tp", "cuda_graphs"})
 # --fsdp is free too: its checkpoints hold the same full-state files, so a run may switch it when resuming (then it
 # continues within rounding, not bit for bit: a reduce-scatter adds in another order than an all-reduce). So is --tp:
 # checkpoints hold the full tensors whatever --tp wrote them, and the data stream depends on the data-parallel
-# replica count only (checked on resume), so a run continues at another --tp within rounding.
+# replica count only (checked on resume), so a run continues at another --tp within rounding. So is --cuda-graphs:
+# it changes how a step is launched and the width of the dense and warm-up candidate sets, not what is learnt.
 
 
 def resume_mismatches(saved: dict, current: TrainConfig) -> list[str]:

@@ -68,7 +68,7 @@ def train(cfg: TrainConfig) -> dict:
             try:
                 m = train_step(s.model, s.optimizer, batch, phase, step, cfg.grad_clip, par,
                                cp_partition=cfg.cp_partition, cp_compressed=cfg.cp_compressed,
-                               step_model=s.step_model, autocast=s.autocast)
+                               step_model=s.step_model, autocast=s.autocast, graphs=s.graphs)
             except NonFiniteStep as e:
                 message = f"{e}; {checkpointer.kept_note()}"
                 run.log({"kind": "stopped", "step": step + 1, "phase": phase, "reason": message})

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from ..config import AttentionConfig
 from ..layers import HybridAttention
 from ..layers.common import RMSNorm
-from ..packing import pack_batch
+from ..packing import PackedBatch, pack_batch
 from ..parallel import halo_rows
 from .distributed import local_rows
 
@@ -143,13 +143,18 @@ class DecoderLM(nn.Module):
             nn.init.normal_(block.mlp.down.weight, std=residual_std)
             _normal_full(block.attn, "o_b_proj.weight", residual_std)
 
-    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, phase: str,
+    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int | None, phase: str,
                 captured: list | None = None, cp_group=None, cp_partition: str = "contiguous",
-                cp_compressed: str = "gather") -> torch.Tensor:
+                cp_compressed: str = "gather", pack: PackedBatch | None = None) -> torch.Tensor:
         # Of the global batch, also under CP: built once per batch, so the ranks' agreement on it runs once, not
-        # once per layer (with NCCL each agreement is a device->host sync).
-        pack = pack_batch(cu_seqlens, tokens.shape[0], max_seqlen, cp_group=cp_group,
-                          cp_partition=None if cp_group is None else cp_partition, cp_compressed=cp_compressed)
+        # once per layer (with NCCL each agreement is a device->host sync). A prebuilt single-device ``pack``
+        # (--cuda-graphs: refilled in place per batch) stands for cu_seqlens and max_seqlen.
+        if pack is None:
+            pack = pack_batch(cu_seqlens, tokens.shape[0], max_seqlen, cp_group=cp_group,
+                              cp_partition=None if cp_group is None else cp_partition, cp_compressed=cp_compressed)
+        elif cp_group is not None or pack.total_rows != tokens.shape[0]:
+            raise ValueError(f"pack= is for one process and a batch of its {pack.total_rows} rows (got "
+                             f"{tokens.shape[0]} tokens{', and a cp_group' if cp_group is not None else ''})")
         x = self.embed(local_rows(tokens, cp_group, cp_partition))
         for block in self.blocks:
             x = block(x, pack, phase, captured)
@@ -182,10 +187,13 @@ def largest_halo(config: ModelConfig) -> int:
     return max(halo_rows(config.attention, r) for r in config.attention.compress_ratios)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, num_targets: int) -> torch.Tensor:
-    """Next-token cross entropy summed over rows with a target, divided by ``num_targets`` (host int; 0 gives a
-    zero loss). With ``num_targets`` the count of the whole batch, a context-parallel rank's ``logits`` and
-    ``targets`` (its rows) give its share: the shares of a CP group add up to the single-device mean."""
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, num_targets: int | torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy summed over rows with a target, divided by ``num_targets`` (a host int, or a 0-d
+    integer tensor where it must stay on the device, as in a CUDA graph; 0 gives a zero loss). With ``num_targets``
+    the count of the whole batch, a context-parallel rank's ``logits`` and ``targets`` (its rows) give its share:
+    the shares of a CP group add up to the single-device mean."""
     total = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
                             ignore_index=-100, reduction="sum")           # fp32 (fp64 in float64 checks)
+    if isinstance(num_targets, torch.Tensor):
+        return total / num_targets.clamp(min=1).to(total.dtype)
     return total / max(num_targets, 1)

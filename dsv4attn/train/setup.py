@@ -21,6 +21,7 @@ from . import distributed, tensor
 from .checkpointer import resume_point, restore
 from .config import TrainConfig
 from .data import EVAL, make_source
+from .graphs import GraphedSteps
 from .model import DecoderLM, ModelConfig, model_config
 from .run_folder import Run, check_out_dir, remove_run
 
@@ -39,6 +40,7 @@ class Setup:
     step_model: torch.nn.Module     # what runs the forward: the DDP wrapper of ``model``, or ``model``
     sharded: bool                   # --fsdp over dp > 1 ranks: ``model`` is FSDP2-sharded (DTensor parameters)
     autocast: object                # bf16 autocast on CUDA, else None
+    graphs: object                  # --cuda-graphs: the GraphedSteps that run each step's forward + backward
     eval_batches: list              # held-out batches (replica 0's ranks only; empty elsewhere)
     loaded: object                  # the checkpoint resumed (checkpoint.Loaded), or None
     start: int                      # steps done before this session
@@ -112,6 +114,9 @@ def setup(cfg: TrainConfig) -> Setup:
         for note in loaded.notes:
             print(f"warning: --resume {cfg.resume}: {note}", file=sys.stderr, flush=True)
 
+    if cfg.cuda_graphs and (device.type != "cuda" or world > 1):
+        raise ValueError(f"--cuda-graphs needs one process on a CUDA device (here: {device}, {world} process"
+                         f"{'es' if world > 1 else ''})")
     own_group = init_process_group(world, device, cfg.pg_timeout)
     par = distributed.build(world, rank, cfg.cp, timeout=cfg.pg_timeout, tp=cfg.tp)
     torch.manual_seed(cfg.seed)          # under --tp every rank draws the full tensors and keeps its slices
@@ -139,9 +144,10 @@ def setup(cfg: TrainConfig) -> Setup:
                                    "tensor_parallel": par.tp,
                                    "device": str(device)})
     run.log({"kind": "start", "step": start, "device": str(device), "world_size": world, "cp": cfg.cp,
-             "tp": cfg.tp, "fsdp": sharded,
+             "tp": cfg.tp, "fsdp": sharded, "cuda_graphs": cfg.cuda_graphs,
              "resumed_from": str(loaded.path) if loaded else None, "resume_notes": loaded.notes if loaded else [],
              "dropped_records": run.dropped_records, "params": tensor.full_numel(model)})
+    graphs = GraphedSteps(model, cfg.batch_rows, device) if cfg.cuda_graphs else None
     return Setup(cfg=cfg, mcfg=mcfg, device=device, par=par, own_group=own_group, source=source, model=model,
-                 optimizer=optimizer, step_model=step_model, sharded=sharded, autocast=autocast,
+                 optimizer=optimizer, step_model=step_model, sharded=sharded, autocast=autocast, graphs=graphs,
                  eval_batches=eval_batches, loaded=loaded, start=start, run=run)

@@ -59,13 +59,18 @@ def loss_and_grads(step_model, model: DecoderLM, batch, phase: str, cp_group=Non
 
 def train_step(model: DecoderLM, optimizer, batch, phase: str, step: int, grad_clip: float, par=None, *,
                cp_partition: str = "contiguous", cp_compressed: str = "gather", step_model=None,
-               autocast=None) -> StepMetrics:
+               autocast=None, graphs=None) -> StepMetrics:
     """Optimizer step ``step + 1`` (0-based ``step``) on ``batch`` in ``phase``, at the LR already set on
     ``optimizer``. ``par`` is the :class:`~dsv4attn.train.distributed.Parallelism` (None: one process);
-    ``step_model`` is what runs the forward (the DDP wrapper of ``model``, or ``model`` itself when None)."""
+    ``step_model`` is what runs the forward (the DDP wrapper of ``model``, or ``model`` itself when None);
+    ``graphs`` (--cuda-graphs, one process): a :class:`~dsv4attn.train.graphs.GraphedSteps` that runs the forward
+    and backward instead."""
     cp_group = par.cp_group if par is not None else None
-    loss, idx_loss = loss_and_grads(step_model or model, model, batch, phase, cp_group=cp_group,
-                                    cp_partition=cp_partition, autocast=autocast, cp_compressed=cp_compressed)
+    if graphs is not None:
+        loss, idx_loss = graphs.run(batch, phase)
+    else:
+        loss, idx_loss = loss_and_grads(step_model or model, model, batch, phase, cp_group=cp_group,
+                                        cp_partition=cp_partition, autocast=autocast, cp_compressed=cp_compressed)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if par is not None and par.tp > 1:           # sharded squares summed over TP, replicated ones counted once
         grad_norm = tensor.clip_grad_norm(model, grad_clip)

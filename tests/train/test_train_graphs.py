@@ -1,0 +1,107 @@
+"""``--cuda-graphs``: the training step over fixed buffers (dsv4attn.train.graphs).
+
+On the CPU the fixed-buffer step runs eagerly (``capture=False``) and must train exactly like the plain step over
+the phases; the option is refused where it cannot run, before anything is written. On a CUDA GPU the captured
+steps (one graph per phase, replayed with other batches) must give the plain run's losses.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dsv4attn.train import TrainConfig
+from dsv4attn.train.data import TRAIN, make_source
+from dsv4attn.train.graphs import GraphedSteps
+from dsv4attn.train.loop import train
+from dsv4attn.train.model import DecoderLM, model_config
+from dsv4attn.train.setup import build_optimizer
+from dsv4attn.train.step import train_step
+from train_helpers import records, tree_digest
+
+PHASES = ["dense", "warmup", "warmup", "sparse", "sparse", "sparse"]
+
+
+def _run(graphed: bool, device: str = "cpu", rows: int = 192, widest: bool = False):
+    """(per-step metrics, final parameters) of 6 steps over the phases, the same model, data and optimizer.
+    ``widest``: the plain steps' batches say max_seqlen = rows, as the fixed buffers' pack does."""
+    cfg = TrainConfig(capacity=rows, plot=False)
+    mcfg = model_config("tiny", (0, 4, 128, 4))
+    torch.manual_seed(0)
+    model = DecoderLM(mcfg).to(device)
+    optimizer = build_optimizer(model, cfg)
+    source = make_source(None, n_layers=mcfg.num_layers, window=mcfg.attention.sliding_window)
+    graphs = GraphedSteps(model, rows, torch.device(device), capture=device == "cuda") if graphed else None
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else None
+    metrics = []
+    for step, phase in enumerate(PHASES):
+        batch = source.batch(cfg.seed, TRAIN, step, rows).to(torch.device(device))
+        if widest:
+            batch = dataclasses.replace(batch, max_seqlen=rows)
+        metrics.append(train_step(model, optimizer, batch, phase, step, cfg.grad_clip, graphs=graphs,
+                                  autocast=autocast))
+    return metrics, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+def test_fixed_buffer_steps_train_exactly_like_plain_steps():
+    """The buffers, the refilled pack (num_docs = rows, padded with empty documents) and the device-side target
+    count change nothing: against plain steps given the same max_seqlen (= rows), every step's loss, indexer loss
+    and gradient norm and the final parameters are bit for bit equal. Against plain steps sized by each batch's
+    longest document, only the rounding of the wider candidate sets differs."""
+    fixed, fixed_params = _run(graphed=True)
+    plain, plain_params = _run(graphed=False, widest=True)
+    for step, (a, b) in enumerate(zip(fixed, plain)):
+        assert (a.loss, a.indexer_loss, a.grad_norm) == (b.loss, b.indexer_loss, b.grad_norm), (step, a, b)
+    for name, value in plain_params.items():
+        assert torch.equal(fixed_params[name], value), name
+    narrow, _ = _run(graphed=False)
+    for step, (a, b) in enumerate(zip(fixed, narrow)):
+        assert a.loss == pytest.approx(b.loss, rel=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4), \
+            (step, a, b)
+
+
+def test_a_batch_of_other_rows_is_refused():
+    mcfg = model_config("tiny", (0, 4))
+    source = make_source(None, n_layers=2, window=mcfg.attention.sliding_window)
+    graphs = GraphedSteps(DecoderLM(mcfg), 192, torch.device("cpu"), capture=False)
+    with pytest.raises(ValueError, match="the batch has 96 rows, the captured buffers 192"):
+        graphs.run(source.batch(0, TRAIN, 0, 96), "dense")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(cp=2), "--cuda-graphs runs one process"),
+    (dict(fsdp=True), "--cuda-graphs runs one process"),
+    (dict(cuda_graphs="yes"), "--cuda-graphs must be a bool"),
+])
+def test_cuda_graphs_refuses_what_it_cannot_run(extra, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**dict(dict(cuda_graphs=True, capacity=256), **extra)).validate()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a CUDA device")
+def test_cuda_graphs_without_a_gpu_is_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="--cuda-graphs needs one process on a CUDA device"):
+        train(TrainConfig(steps=2, dense_steps=1, warmup_steps=0, capacity=96, plot=False, cuda_graphs=True,
+                          out=str(out)))
+    assert tree_digest(out) == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_steps_give_the_plain_run_losses():
+    """One graph per phase, replayed with the phase's later batches: the losses of a plain bf16 run within bf16
+    rounding (the graphs' dense and warm-up candidate sets are wider, with -1 slots, so sums run in another
+    order)."""
+    plain, _ = _run(graphed=False, device="cuda")
+    fixed, _ = _run(graphed=True, device="cuda")
+    for step, (a, b) in enumerate(zip(fixed, plain)):
+        assert a.loss == pytest.approx(b.loss, rel=2e-2), (step, a, b)
+        assert (a.indexer_loss is None) == (b.indexer_loss is None), step
+
+
+def test_records_name_the_option(tmp_path):
+    """The run's start record says whether steps were captured (False here: the default)."""
+    out = tmp_path / "run"
+    train(TrainConfig(steps=1, dense_steps=1, warmup_steps=0, capacity=96, plot=False, out=str(out)))
+    assert records(out, "start")[0]["cuda_graphs"] is False
