@@ -151,9 +151,12 @@ class HybridAttention(KeepFp32Params):
         self.indexer_loss = None                     # a forward that raises leaves no stale value behind
         x = hidden_states
         phase, failed = self._checked_arguments(x, cu_seqlens, max_seqlen, phase, cp_group, pack, cp_partition)
-        frame, x_keys = layer_frame(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, pack=pack, cp_group=cp_group,
-                                    cp_partition=cp_partition, halo=self.halo_rows, phase=phase,
-                                    compress_ratio=self.compress_ratio, failed=failed)
+        try:
+            frame, x_keys = layer_frame(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, pack=pack,
+                                        cp_group=cp_group, cp_partition=cp_partition, halo=self.halo_rows,
+                                        phase=phase, compress_ratio=self.compress_ratio, failed=failed)
+        finally:
+            failed = None   # raised through this frame when set: no local may hold it (parallel/setup.py, _agree)
         return self._forward_frame(x, x_keys, frame, phase)
 
     def _checked_arguments(self, x, cu_seqlens, max_seqlen, phase, cp_group, pack, cp_partition):

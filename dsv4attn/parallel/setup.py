@@ -57,7 +57,6 @@ def agreed_pack(cu_seqlens, total_rows: int, max_seqlen, device, cp_group, cp_pa
     group = as_process_group(cp_group)
     world, _ = comm.world_and_rank(group)
     partition = "contiguous" if cp_partition is None else cp_partition
-    pack, rows, local_error = None, None, None
     try:
         # Rank-local checks: a rank failing one still joins the agreement, so no other rank waits for it.
         partition_.check_partition(partition)
@@ -66,33 +65,38 @@ def agreed_pack(cu_seqlens, total_rows: int, max_seqlen, device, cp_group, cp_pa
             raise ValueError(f"total_rows={total_rows} is not {chunks} equal chunks ({world} ranks, {partition!r} "
                              f"partition); pad the global batch to a multiple of {chunks} rows")
         pack = pack_batch(cu_seqlens, total_rows, max_seqlen, device)
-        rows = total_rows // world
-    except (ValueError, TypeError) as err:
-        local_error = err
-    where = (pack.device if pack is not None else torch.device(device) if device is not None
-             else cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu"))
-    _agree(group, pack, partition, rows, None, None, None, local_error, where, cp_compressed)
+    except (ValueError, TypeError):
+        where = (torch.device(device) if device is not None
+                 else cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu"))
+        _agree(group, None, partition, None, None, None, None, True, where, cp_compressed)
+        raise                                   # this rank's own error (bare: see _agree)
+    _agree(group, pack, partition, total_rows // world, None, None, None, False, pack.device, cp_compressed)
     # A new pack starts with empty caches: frames hold this group's segments, never a single-device pack's.
     return dataclasses.replace(pack, cp_group=group, cp_partition=partition, cp_compressed=cp_compressed)
 
 
-def _agree(group, pack, partition, rows, phase, compress_ratio, halo, local_error, device,
+def _agree(group, pack, partition, rows, phase, compress_ratio, halo, failed: bool, device,
            cp_compressed=None) -> None:
-    """The ranks' agreement (:mod:`.agree`): raises this rank's own error, else the common mismatch error."""
+    """The ranks' agreement (:mod:`.agree`): raises the common mismatch error. A rank whose own checks ``failed``
+    only takes part: its caller then raises its own, more precise error.
+
+    That caller calls this from the ``except`` clause of its checks and then re-raises with a bare ``raise``, so
+    that no local variable holds the error: a frame in an error's traceback that holds the error is a reference
+    cycle, which keeps the locals of every such frame, the process group among them, alive until the garbage
+    collector runs. A script that caught the error and called ``dist.destroy_process_group()`` then did not
+    destroy the gloo group (its destructor joins the worker threads), and a worker thread still releasing the
+    agreement's all-gather (freeing its tensors takes the GIL) when the interpreter finalized aborted the process,
+    about one run in 20 ("terminate called without an active exception")."""
     if not checks.reads_possible():
-        if local_error is not None:
-            raise local_error
         return
     known = pack is not None
     mine = agree.digest(total_rows=pack.total_rows if known else None,
                         cu_values=pack.host_cu_seqlens if known else None,
                         max_seqlen=pack.max_seqlen if known else None, partition=partition, phase=phase,
-                        compress_ratio=compress_ratio, rows=rows, halo=halo, failed=local_error is not None,
+                        compress_ratio=compress_ratio, rows=rows, halo=halo, failed=failed,
                         compressed=cp_compressed)
     message = agree.mismatch_message(agree.agree(group, mine, device))
-    if local_error is not None:
-        raise local_error                       # this rank's own, more precise error
-    if message is not None:
+    if message is not None and not failed:
         raise ValueError(message)
 
 
@@ -102,27 +106,30 @@ def layer_frame(x: torch.Tensor, *, cu_seqlens, max_seqlen, pack: PackedBatch | 
     """(frame, x_keys) of one layer call, whichever way the batch came: a CP pack (its cached frame, no
     agreement), a single-device call (the pack's frame), or ``cp_group`` with ``cu_seqlens`` or a pack built
     without a group (the per-call agreement of :func:`context_parallel_frame`, as before CP packs)."""
-    if getattr(pack, "cp_group", None) is not None:       # a non-pack fails its own check (in `failed`)
-        if failed is not None:
-            raise failed
-        _check_same_group(pack, cp_group, cp_partition)
-        world, _ = comm.world_and_rank(pack.cp_group)
-        if x.shape[0] * world != pack.total_rows:
-            raise ValueError(f"hidden_states has {x.shape[0]} rows, but the pack's global batch of "
-                             f"{pack.total_rows} rows gives each of the {world} ranks {pack.total_rows // world}; "
-                             f"pass this rank's rows from dsv4attn.parallel.shard")
-        frame = pack_frame(pack, halo)
-        return frame, _keys_with_halos(x, frame, halo)
-    if cp_group is None:
-        if failed is not None:
-            raise failed
-        if pack is None:
-            pack = pack_batch(cu_seqlens, x.shape[0], max_seqlen, device=x.device)
-        elif pack.total_rows != x.shape[0]:
-            raise ValueError(f"pack was built for {pack.total_rows} rows, hidden_states has {x.shape[0]}")
-        return pack_frame(pack, 0), x
-    return context_parallel_frame(x, cu_seqlens, max_seqlen, cp_group, halo, pack, cp_partition or "contiguous",
-                                  phase=phase, compress_ratio=compress_ratio, failed=failed)
+    try:
+        if getattr(pack, "cp_group", None) is not None:       # a non-pack fails its own check (in `failed`)
+            if failed is not None:
+                raise failed
+            _check_same_group(pack, cp_group, cp_partition)
+            world, _ = comm.world_and_rank(pack.cp_group)
+            if x.shape[0] * world != pack.total_rows:
+                raise ValueError(f"hidden_states has {x.shape[0]} rows, but the pack's global batch of "
+                                 f"{pack.total_rows} rows gives each of the {world} ranks {pack.total_rows // world}; "
+                                 f"pass this rank's rows from dsv4attn.parallel.shard")
+            frame = pack_frame(pack, halo)
+            return frame, _keys_with_halos(x, frame, halo)
+        if cp_group is None:
+            if failed is not None:
+                raise failed
+            if pack is None:
+                pack = pack_batch(cu_seqlens, x.shape[0], max_seqlen, device=x.device)
+            elif pack.total_rows != x.shape[0]:
+                raise ValueError(f"pack was built for {pack.total_rows} rows, hidden_states has {x.shape[0]}")
+            return pack_frame(pack, 0), x
+        return context_parallel_frame(x, cu_seqlens, max_seqlen, cp_group, halo, pack, cp_partition or "contiguous",
+                                      phase=phase, compress_ratio=compress_ratio, failed=failed)
+    finally:
+        failed = None           # it may be raised through this frame: no local may hold it (see _agree)
 
 
 def _check_same_group(pack: PackedBatch, cp_group, cp_partition) -> None:
@@ -185,7 +192,6 @@ def context_parallel_frame(x_local: torch.Tensor, cu_seqlens: torch.Tensor | Non
     group = as_process_group(group)
     world, rank = comm.world_and_rank(group)
     rows = x_local.shape[0] if x_local.dim() else 0
-    local_error, frame_pack = failed, None
     try:
         if failed is not None:
             raise failed
@@ -204,8 +210,10 @@ def context_parallel_frame(x_local: torch.Tensor, cu_seqlens: torch.Tensor | Non
                              f"got {pack.total_rows}")
         else:
             frame_pack = pack
-    except (ValueError, TypeError) as err:
-        local_error = err
-    _agree(group, frame_pack, partition, rows, phase, compress_ratio, halo, local_error, x_local.device)
+    except (ValueError, TypeError):
+        failed = None                           # no local may hold the error raised below (see _agree)
+        _agree(group, None, partition, rows, phase, compress_ratio, halo, True, x_local.device)
+        raise                                   # this rank's own error
+    _agree(group, frame_pack, partition, rows, phase, compress_ratio, halo, False, x_local.device)
     frame = _row_frame(frame_pack, group, partition, halo, world, rank)
     return frame, _keys_with_halos(x_local, frame, halo)

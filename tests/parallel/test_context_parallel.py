@@ -6,15 +6,18 @@ straddle ranks, a ratio-4 and a ratio-128 group cross a seam, documents start in
 three ranks, with an empty document and capacity padding. Compared: outputs, input gradients, CP-summed parameter
 gradients and the (CP-summed) indexer loss. Also the primitives on their own, the too-few-rows error, and the
 ranks' agreement on the batch metadata: rank 1 passing other cu_seqlens, cp_partition, phase or max_seqlen, or
-failing its own argument checks, gives one clear error on every rank and leaves the group in step.
+failing its own argument checks (a bad phase, a pack of other rows), gives one clear error on every rank and leaves
+the group in step, and that error is freed as soon as it is handled (no reference cycle keeps the group alive).
 """
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import tempfile
 import traceback
+import weakref
 
 import pytest
 import torch
@@ -120,6 +123,31 @@ def _check_too_few_rows(group, world, partition="contiguous"):
     return "no error"
 
 
+class _Marker:
+    pass
+
+
+def _refused(call) -> str:
+    """The message of the ValueError that ``call()`` raises, asserting that the error is freed as soon as it is
+    handled (the garbage collector off, so that only reference counts free it). A reference cycle through the
+    frames of its traceback kept their locals, the process group among them, alive until a collection: a
+    script that caught the error and called ``destroy_process_group()`` then left the gloo group and its worker
+    threads running into interpreter exit, and the process died with SIGABRT about one run in 20."""
+    gc.disable()
+    try:
+        try:
+            call()
+        except ValueError as err:
+            message, err.marker = str(err), _Marker()       # an exception takes no weak reference: its marker does
+            ref = weakref.ref(err.marker)
+        else:
+            raise AssertionError("no ValueError raised")
+        assert ref() is None, f"the error is kept alive by a reference cycle: {message}"
+        return message
+    finally:
+        gc.enable()
+
+
 def _check_disagreements(group, world, rank):
     """Rank 1 differs from the others in one thing per case: every rank raises, before any other collective, the
     same ValueError naming the field and each rank's value. Returns {case: message} (the parent compares ranks)."""
@@ -136,6 +164,8 @@ def _check_disagreements(group, world, rank):
         # A rank whose own checks fail raises its error; the others learn of it instead of waiting.
         "local": (dict(phase="bogus" if odd else "sparse"),
                   "phase must be one of" if odd else "rank(s) 1 of cp_group failed their own argument checks"),
+        "rows": (dict(pack=dsv4attn.pack_batch(cu, 2 * TOTAL_ROWS if odd else TOTAL_ROWS, max_len)),
+                 "pack must describe the global batch" if odd else "rank(s) 1 of cp_group failed their own"),
     }
     layer = _layer(4, torch.float64)
     before = {n: p.detach().clone() for n, p in layer.named_parameters()}
@@ -143,11 +173,10 @@ def _check_disagreements(group, world, rank):
     messages = {}
     for case, (kw, expected) in cases.items():
         kw = dict(dict(cu_seqlens=cu, max_seqlen=max_len, phase="sparse", cp_partition="contiguous"), **kw)
-        with pytest.raises(ValueError) as err:
-            layer(shard(x, group, kw["cp_partition"]), cp_group=group, **kw)
-        assert expected in str(err.value), (case, rank, str(err.value))
+        message = _refused(lambda: layer(shard(x, group, kw["cp_partition"]), cp_group=group, **kw))
+        assert expected in message, (case, rank, message)
         assert layer.indexer_loss is None
-        messages[case] = str(err.value)
+        messages[case] = message
     for name, p in layer.named_parameters():
         assert torch.equal(p, before[name]) and p.grad is None, name
     return messages
@@ -189,6 +218,9 @@ def _check_cp_packs(group, world, rank):
     other_cu[1:4] += 1 if rank == 1 else 0
     with pytest.raises(ValueError, match=r"ranks disagree on cu_seqlens \(rank 0: \[0, 1, 4"):
         dsv4attn.pack_batch(other_cu, TOTAL_ROWS, max_len, cp_group=group)
+    # Rank 1's own check fails (561 rows are not equal chunks): its error there, the others name it.
+    message = _refused(lambda: dsv4attn.pack_batch(cu, TOTAL_ROWS + (rank == 1), max_len, cp_group=group))
+    assert ("total_rows=561 is not" if rank == 1 else "rank(s) 1 of cp_group failed their own") in message, message
     from tests.test_host_reads import HostReads
     from dsv4attn.train.model import DecoderLM, model_config
     torch.manual_seed(0)
@@ -236,10 +268,11 @@ def test_context_parallel_equals_single_process(world):
         reports = run_ranks(_worker, world, tmp, deadline_s=420)
         agreed = [json.load(open(os.path.join(tmp, f"rank{rank}.disagree.json"))) for rank in range(world)]
         for case in agreed[0]:
-            # The same message on every rank, except the "local" case's failing rank (it raises its own error).
-            texts = {r: a[case] for r, a in enumerate(agreed) if not (case == "local" and r == 1)}
+            # The same message on every rank, except the failing rank of the "local" and "rows" cases (it raises
+            # its own error).
+            texts = {r: a[case] for r, a in enumerate(agreed) if not (case in ("local", "rows") and r == 1)}
             assert len(set(texts.values())) == 1, (case, texts)
-            if case != "local":
+            if case not in ("local", "rows"):
                 assert all(f"rank {r}:" in texts[0] for r in range(world)), texts[0]
         messages = {text.split("\n", 1)[1] for text in reports.values()}
         assert len(messages) == 1, messages
