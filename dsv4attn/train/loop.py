@@ -91,10 +91,19 @@ def train(cfg: TrainConfig) -> dict:
             dist.barrier()          # no rank returns (or resumes) before rank 0 has written the run's files
         return summary
     except Exception as err:
-        failure = err if board is None else board.explain(err, where)
-        if failure is err:
+        # No local may keep the error: this frame is in the error's traceback, and a cycle through it would keep
+        # the run (its process groups among them) alive past destroy_process_group(), until a garbage collection;
+        # gloo's worker threads then run into interpreter exit and the process can die with SIGABRT.
+        if board is None:
             raise
-        raise failure from err
+        failure = board.explain(err, where)
+        if failure is err:
+            del failure
+            raise
+        try:
+            raise failure from err
+        finally:
+            del failure
     finally:
         bar.close()
         s.close()

@@ -74,3 +74,34 @@ def test_the_step_is_checked_before_the_optimizer_moves(monkeypatch):
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0, equal_nan=True, msg=name)
     assert optimizer.state_dict()["state"] == {}                              # no optimizer step was taken
+
+
+def test_an_error_inside_the_run_is_freed_as_soon_as_it_is_handled(tmp_path, monkeypatch):
+    """The error a run raises is kept by no reference cycle through the loop's frame (the garbage collector off:
+    only reference counts free it). A cycle kept the run's process groups alive past destroy_process_group() and
+    let gloo's threads run into interpreter exit (SIGABRT, tests/parallel/test_context_parallel.py)."""
+    import gc
+    import weakref
+
+    from dsv4attn.train import TrainConfig, loop
+
+    class Marker:
+        pass
+
+    def failing_step(*args, **kwargs):
+        raise RuntimeError("a step that fails")
+
+    monkeypatch.setattr(loop, "train_step", failing_step)
+    gc.disable()
+    try:
+        try:
+            loop.train(TrainConfig(steps=1, dense_steps=1, warmup_steps=0, capacity=96, plot=False,
+                                   out=str(tmp_path / "run")))
+        except RuntimeError as err:
+            err.marker = Marker()                   # an exception takes no weak reference: its marker does
+            ref = weakref.ref(err.marker)
+        else:
+            raise AssertionError("the run did not raise")
+        assert ref() is None, "the run's error is kept alive by a reference cycle"
+    finally:
+        gc.enable()
