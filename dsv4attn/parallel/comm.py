@@ -36,9 +36,17 @@ def world_and_rank(group) -> tuple[int, int]:
 
 
 def _all_gather_cat(t: torch.Tensor, group) -> torch.Tensor:
-    world, _ = world_and_rank(group)
+    world, rank = world_and_rank(group)
     parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.contiguous(), group=group)
+    try:
+        dist.all_gather(parts, t.contiguous(), group=group)
+    except (RuntimeError, dist.DistError) as err:   # a peer never came: the backend's own text names no cause
+        raise type(err)(
+            f"context parallelism: rank {rank} of cp_group waited in vain for the other ranks in a layer's "
+            f"all-gather (halo rows or compressed entries): a rank failed or stopped before reaching the same call, "
+            f"or the group's timeout passed; that rank's own error says why. With a pack built with cp_group no "
+            f"agreement runs per layer call, so a rank's own argument error (hidden_states with other rows than "
+            f"its share, say) shows on the others only here. Backend error: {err}") from err
     return torch.cat(parts, dim=0)
 
 

@@ -312,6 +312,44 @@ def _absent_peer_worker(rank, world, init_file, result_dir):
         raise
 
 
+def _failed_peer_with_pack_worker(rank, world, init_file, result_dir):
+    """With a pack built with cp_group (no agreement per layer call), rank 1 fails its own check (x of other rows)
+    and stays alive; rank 0 must stop waiting at the group's timeout with an error that names the layer's
+    collective and the likely cause, not only gloo's own text."""
+    import time
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=5))
+        torch.set_num_threads(1)
+        cu, max_len = _pack()
+        pack = dsv4attn.pack_batch(cu, TOTAL_ROWS, max_len, cp_group=dist.group.WORLD)
+        layer = _layer(4, torch.float32)
+        report = "ok"
+        if rank == 0:
+            with pytest.raises(RuntimeError, match=r"context parallelism: rank 0 of cp_group waited in vain for the "
+                                                   r"other ranks in a layer's all-gather") as err:
+                layer(torch.randn(TOTAL_ROWS // world, 128), pack=pack, phase="sparse")
+            assert "Backend error:" in str(err.value) and "other rows than its share" in str(err.value)
+        else:
+            with pytest.raises(ValueError, match="hidden_states"):
+                layer(torch.randn(TOTAL_ROWS // world + 1, 128), pack=pack, phase="sparse")
+            done, start = os.path.join(result_dir, "rank0.txt"), time.monotonic()
+            while not os.path.exists(done) and time.monotonic() - start < 30:    # alive until rank 0 reported
+                time.sleep(0.1)
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(report)
+    except Exception:
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            f.write("error\n" + traceback.format_exc())
+        raise
+
+
+def test_a_rank_failing_its_own_check_under_a_cp_pack_ends_the_others_wait_clearly():
+    """Before: rank 0 raised gloo's bare timeout text (or 'Connection closed by peer' when rank 1 had exited)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_ranks(_failed_peer_with_pack_worker, 2, tmp, deadline_s=90)
+
+
 def test_absent_rank_ends_the_wait_with_a_clear_error():
     """Before: rank 0 raised gloo's bare 'Timed out waiting 15000ms for send operation to complete' (and
     'Connection reset by peer' when the rank had exited), naming neither the CP agreement nor a cause."""
