@@ -300,23 +300,29 @@ def _absent_peer_worker(rank, world, init_file, result_dir):
             assert "Backend error:" in str(err.value) and layer.indexer_loss is None
             report += f"\n{time.monotonic() - start:.1f}"
         else:
-            # Alive, not calling (a rank stuck in its own code) until rank 0 has reported, at most 30 s.
-            done, start = os.path.join(result_dir, "rank0.txt"), time.monotonic()
-            while not os.path.exists(done) and time.monotonic() - start < 30:
-                time.sleep(0.1)
-        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(report)
+            _alive_until_rank0_reports(result_dir)      # not calling: a rank stuck in its own code
+        _report(result_dir, rank, report)
     except Exception:
-        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-            f.write("error\n" + traceback.format_exc())
+        _report(result_dir, rank, "error\n" + traceback.format_exc())
         raise
+
+
+def _alive_until_rank0_reports(result_dir, limit_s: float = 30.0) -> None:
+    import time
+    done, start = os.path.join(result_dir, "rank0.txt"), time.monotonic()
+    while not os.path.exists(done) and time.monotonic() - start < limit_s:
+        time.sleep(0.1)
+
+
+def _report(result_dir, rank, text) -> None:
+    with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(text)
 
 
 def _failed_peer_with_pack_worker(rank, world, init_file, result_dir):
     """With a pack built with cp_group (no agreement per layer call), rank 1 fails its own check (x of other rows)
     and stays alive; rank 0 must stop waiting at the group's timeout with an error that names the layer's
     collective and the likely cause, not only gloo's own text."""
-    import time
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=5))
@@ -333,14 +339,10 @@ def _failed_peer_with_pack_worker(rank, world, init_file, result_dir):
         else:
             with pytest.raises(ValueError, match="hidden_states"):
                 layer(torch.randn(TOTAL_ROWS // world + 1, 128), pack=pack, phase="sparse")
-            done, start = os.path.join(result_dir, "rank0.txt"), time.monotonic()
-            while not os.path.exists(done) and time.monotonic() - start < 30:    # alive until rank 0 reported
-                time.sleep(0.1)
-        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(report)
+            _alive_until_rank0_reports(result_dir)
+        _report(result_dir, rank, report)
     except Exception:
-        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-            f.write("error\n" + traceback.format_exc())
+        _report(result_dir, rank, "error\n" + traceback.format_exc())
         raise
 
 
