@@ -5,6 +5,7 @@ Every function takes the process group from the caller; the library never create
 from __future__ import annotations
 
 import collections
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -35,18 +36,37 @@ def world_and_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def communication_error(err: BaseException) -> bool:
+    """A collective that timed out or lost its peers (gloo raises a plain RuntimeError, NCCL a DistError)."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(s in text for s in ("Timed out", "timed out", "Timeout", "gloo",
+                                                                     "NCCL", "Connection closed", "Connection reset"))
+
+
+@contextmanager
+def awaited(rank: int, what: str):
+    """Runs a layer's collective ``what``; if a peer never joins it (a communication error), raises the same error
+    type naming the collective and the likely cause, the backend's text appended (alone it names neither)."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as err:
+        if not communication_error(err):
+            raise
+        raise type(err)(
+            f"context parallelism: rank {rank} of cp_group waited in vain for the other ranks in a layer's {what}: "
+            f"a rank failed or stopped before reaching the same call, or the group's timeout passed; that rank's "
+            f"own error says why. With a pack built with cp_group no agreement runs per layer call, so a rank's "
+            f"own argument error (hidden_states with other rows than its share, say) shows on the others only "
+            f"here. Backend error: {err}") from err
+
+
 def _all_gather_cat(t: torch.Tensor, group) -> torch.Tensor:
     world, rank = world_and_rank(group)
     parts = [torch.empty_like(t) for _ in range(world)]
-    try:
+    with awaited(rank, "all-gather (halo rows or compressed entries)"):
         dist.all_gather(parts, t.contiguous(), group=group)
-    except (RuntimeError, dist.DistError) as err:   # a peer never came: the backend's own text names no cause
-        raise type(err)(
-            f"context parallelism: rank {rank} of cp_group waited in vain for the other ranks in a layer's "
-            f"all-gather (halo rows or compressed entries): a rank failed or stopped before reaching the same call, "
-            f"or the group's timeout passed; that rank's own error says why. With a pack built with cp_group no "
-            f"agreement runs per layer call, so a rank's own argument error (hidden_states with other rows than "
-            f"its share, say) shows on the others only here. Backend error: {err}") from err
     return torch.cat(parts, dim=0)
 
 
@@ -65,8 +85,9 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
         world, rank = world_and_rank(ctx.group)
+        with awaited(rank, "backward all-reduce (gathered rows' gradients)"):
+            dist.all_reduce(grad, group=ctx.group)
         mine = grad[rank * ctx.rows:(rank + 1) * ctx.rows]
         if ctx.tag is not None:      # counted as the reduce-scatter it stands for: the other ranks' partial blocks
             traffic[f"{ctx.tag} backward"] += (world - 1) * mine.nbytes
@@ -92,17 +113,17 @@ def fetch_plan(needed: torch.Tensor, block: int, group, tag: str | None = None) 
     """The exchange of row indices before :func:`fetch_rows`. ``needed``: increasing gathered-row ids (row g is
     row ``g % block`` of rank ``g // block``, the layout :func:`gather_rows` makes). Two all-to-alls: the counts
     (W ints) and the local row numbers; one host read of the counts (the split sizes of the second)."""
-    world, _ = world_and_rank(group)
+    world, rank = world_and_rank(group)
     needed = needed.long()
     owner = torch.div(needed, max(block, 1), rounding_mode="floor")
     ask = torch.bincount(owner, minlength=world)
     asked = torch.empty_like(ask)
-    dist.all_to_all_single(asked, ask, group=group)
-    requested, served = ask.tolist(), asked.tolist()
-    serve_rows = needed.new_empty(sum(served))
-    dist.all_to_all_single(serve_rows, (needed - owner * block).contiguous(), served, requested, group=group)
+    with awaited(rank, "all-to-all of the selected rows' indices"):
+        dist.all_to_all_single(asked, ask, group=group)
+        requested, served = ask.tolist(), asked.tolist()
+        serve_rows = needed.new_empty(sum(served))
+        dist.all_to_all_single(serve_rows, (needed - owner * block).contiguous(), served, requested, group=group)
     if tag is not None:
-        _, rank = world_and_rank(group)
         traffic[f"{tag} indices"] += (asked.nbytes - asked[rank:rank + 1].nbytes
                                       + (sum(served) - served[rank]) * serve_rows.element_size())
     return FetchPlan(requested, served, serve_rows)
@@ -116,9 +137,11 @@ class _FetchRows(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, plan: FetchPlan, group, tag):
         ctx.plan, ctx.group, ctx.tag, ctx.shape = plan, group, tag, local.shape
         out = local.new_empty((sum(plan.requested),) + tuple(local.shape[1:]))
-        dist.all_to_all_single(out, local[plan.serve_rows].contiguous(), plan.requested, plan.served, group=group)
+        _, rank = world_and_rank(group)
+        with awaited(rank, "all-to-all of the selected compressed rows"):
+            dist.all_to_all_single(out, local[plan.serve_rows].contiguous(), plan.requested, plan.served,
+                                   group=group)
         if tag is not None:
-            _, rank = world_and_rank(group)
             traffic[f"{tag} forward"] += (sum(plan.requested) - plan.requested[rank]) * out[:1].nbytes
         return out
 
@@ -126,9 +149,10 @@ class _FetchRows(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         plan = ctx.plan
         back = grad.new_empty((sum(plan.served),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), plan.served, plan.requested, group=ctx.group)
+        _, rank = world_and_rank(ctx.group)
+        with awaited(rank, "backward all-to-all (the fetched rows' gradients)"):
+            dist.all_to_all_single(back, grad.contiguous(), plan.served, plan.requested, group=ctx.group)
         if ctx.tag is not None:
-            _, rank = world_and_rank(ctx.group)
             traffic[f"{ctx.tag} backward"] += (sum(plan.served) - plan.served[rank]) * back[:1].nbytes
         grad_local = grad.new_zeros(ctx.shape).index_add_(0, plan.serve_rows, back)
         return grad_local, None, None, None

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from ..layers.common import is_sharded
 from ..parallel import shard
+from ..parallel.comm import communication_error
 
 
 @dataclass(frozen=True)
@@ -182,15 +183,6 @@ class RankFailed(RuntimeError):
 _RUNS = itertools.count()       # train() calls of this process: every rank makes the same calls, in the same order
 
 
-def _is_communication_error(err: BaseException) -> bool:
-    """A collective that timed out or lost its peers (gloo raises a plain RuntimeError, NCCL a DistError)."""
-    if isinstance(err, dist.DistError):
-        return True
-    text = str(err)
-    return isinstance(err, RuntimeError) and any(s in text for s in ("Timed out", "timed out", "Timeout", "gloo",
-                                                                     "NCCL", "Connection closed", "Connection reset"))
-
-
 class FailureBoard:
     """Where the ranks of one training run leave word of a failure: keys in the default process group's store
     (the rendezvous store every rank already talks to; no collective, so it works while others are stuck).
@@ -232,7 +224,7 @@ class FailureBoard:
     def explain(self, err: Exception, where: str) -> Exception:
         """The error this rank raises for ``err`` (hit at ``where``): ``err`` itself when it is this rank's own
         failure (recorded for the others), else a RankFailed naming the rank(s) that failed first."""
-        if not _is_communication_error(err):
+        if not communication_error(err):
             self.record(where, err)
             return err
         others = self.failures()
