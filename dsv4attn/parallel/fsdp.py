@@ -23,7 +23,8 @@ model and its optimizer (no communication: every rank holds the full dicts and k
 Composition: FSDP2 here shards over one data-parallel mesh. With context parallelism (``cp_group``), shard over
 each CP rank's data-parallel group (the ranks holding the same CP rank of every replica): the ranks of one CP group
 then hold the same shard, and after the backward they sum its local values (``p.grad.to_local()``) over the CP
-group, as the training job's ``--fsdp --cp N`` does. Not with tensor parallelism yet.
+group, as the training job's ``--fsdp --cp N`` does. With tensor parallelism, shard each TP rank's layers over
+its data-parallel group (``--fsdp --tp N``: the TP slices are the tensors FSDP2 shards).
 """
 from __future__ import annotations
 

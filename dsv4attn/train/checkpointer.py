@@ -78,11 +78,12 @@ class Checkpointer:
         if not ((cfg.save_every and done % cfg.save_every == 0) or done == self.end):
             return False
         full = {}
-        if sharded:
+        if sharded:              # FSDP2 first (every rank), then --tp's slices (rank 0's TP group)
             from ..parallel.fsdp import full_optimizer_state_dict, full_state_dict
             full = dict(weights=full_state_dict(model), optimizer_state=full_optimizer_state_dict(optimizer))
-        elif self.gathers_tp:
-            weights, optimizer_state = tensor.full_state(model, optimizer)
+        if self.gathers_tp:
+            weights, optimizer_state = tensor.full_state(model, optimizer, full.get("weights"),
+                                                         full.get("optimizer_state"))
             full = dict(weights=weights, optimizer_state=optimizer_state)
         if self.is_main:
             meta = {"step": done, "phase": cfg.phase_of(done - 1),

@@ -69,7 +69,7 @@ class TrainConfig:
     cp: int = option(1, "context-parallel ranks per replica: under torchrun, world = data-parallel x --cp")
     tp: int = option(1, "tensor-parallel ranks: each attention layer's query heads and output groups split over N "
                         "ranks that share one batch (docs/tensor_parallel.md); world = data-parallel x --cp x --tp; "
-                        "N divides the heads and o_groups. Not with --fsdp")
+                        "N divides the heads and o_groups")
     cp_partition: str = option("contiguous", "rows of each context-parallel rank: contiguous (one slice) or "
                                              "head_tail (chunks i and 2C-1-i of 2C: even causal work)",
                                choices=PARTITIONS)
@@ -82,8 +82,8 @@ class TrainConfig:
                                "(FSDP2: a unit per attention layer and per block; on CUDA bf16 gathers with the "
                                "sinks and positional biases fp32); checkpoints hold the same full-state files as "
                                "without it. With --cp > 1 it shards over each CP rank's data-parallel group (the "
-                               "CP ranks of a replica sum their gradient shards); not with --tp > 1; a single "
-                               "replica (world = cp) runs unsharded")
+                               "CP ranks of a replica sum their gradient shards), with --tp > 1 it shards each TP "
+                               "rank's slices; a single replica (world = cp x tp) runs unsharded")
     cuda_graphs: bool = option(False, "capture each phase's forward and backward once in a CUDA graph and replay "
                                       "it for every batch (one process on a CUDA device; the dense and warm-up "
                                       "phases then size their candidate sets by --capacity, not by the batch's "
@@ -142,11 +142,6 @@ class TrainConfig:
         if self.cuda_graphs and (self.cp > 1 or self.tp > 1 or self.fsdp):
             raise ValueError("--cuda-graphs runs one process: not with --cp > 1, --tp > 1 or --fsdp (the captured "
                              "step makes no collective)")
-        if self.fsdp and self.tp > 1:
-            # FSDP2 would shard the TP layers' local shards over the data-parallel ranks: a 2-D (dp, tp) mesh and
-            # DTensor placements for the head shards, not built yet.
-            raise ValueError(f"--fsdp does not compose with --tp {self.tp} yet (FSDP2 shards over the data-parallel "
-                             f"ranks only); use --tp without --fsdp (DDP over the data-parallel ranks)")
         if self.tp > 1:
             a = model_config(self.model, self.ratios).attention
             why = check_split(a.num_attention_heads, a.o_groups, self.tp)

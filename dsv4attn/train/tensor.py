@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..layers import HybridAttention
+from ..layers.common import is_sharded
 
 
 def sharded_parameters(model: torch.nn.Module) -> dict[str, tuple[object, int]]:
@@ -60,15 +61,17 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     if len(groups) != 1:
         raise ValueError("clip_grad_norm: the model's attention layers use different TP groups")
     group = next(iter(groups.values()))
+    # Under FSDP2 every gradient is this rank's shard of it (a DTensor over the data-parallel ranks): its squares
+    # are summed over those ranks too.
+    fsdp = next((g.device_mesh.get_group() for g in grads if is_sharded(g)), None)
+    grads = [g.to_local() if is_sharded(g) else g for g in grads]
     dtype = torch.promote_types(grads[0].dtype, torch.float32)
-    zero = torch.zeros((), dtype=dtype, device=grads[0].device)
-    own, whole = zero.clone(), zero.clone()         # squares of this rank's shards, of the replicated parameters
+    squares = torch.zeros(2, dtype=dtype, device=grads[0].device)   # this rank's TP shards, replicated parameters
     for (name, _), g in zip(params, grads):
-        square = g.detach().to(dtype).square().sum()
-        if name in sharded:
-            own += square
-        else:
-            whole += square
+        squares[0 if name in sharded else 1] += g.detach().to(dtype).square().sum()
+    if fsdp is not None:
+        dist.all_reduce(squares, group=fsdp)
+    own, whole = squares[0].clone(), squares[1]
     dist.all_reduce(own, group=group)
     total = (own + whole).sqrt()
     if max_norm > 0:
@@ -93,14 +96,17 @@ def _moments(entry: dict):
     return [k for k, v in entry.items() if torch.is_tensor(v) and v.dim() > 0]
 
 
-def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: dict | None = None,
+               state: dict | None = None) -> tuple[dict, dict]:
     """(weights, optimizer state) of the whole model, in the layout a ``--tp 1`` run saves: every sharded weight
-    and its AdamW moments all-gathered over the TP group (collective over it; every rank of the group gets them)."""
+    and its AdamW moments all-gathered over the TP group (collective over it; every rank of the group gets them).
+    ``weights`` / ``state``: this rank's dicts when already formed (under FSDP2, gathered over the data-parallel
+    ranks first); default ``model.state_dict()`` / ``optimizer.state_dict()``."""
     sharded = sharded_parameters(model)
-    weights = model.state_dict()
+    weights = dict(model.state_dict() if weights is None else weights)
     for name, (tp, dim) in sharded.items():
         weights[name] = tp.gather(weights[name], dim)
-    state = optimizer.state_dict()
+    state = optimizer.state_dict() if state is None else state
     names = _state_names(model, optimizer, state)
     entries = dict(state["state"])
     for index in sorted(names):

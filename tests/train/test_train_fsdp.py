@@ -4,8 +4,8 @@ One spawn of 2 processes runs, in its workers: a 4-step ``--fsdp`` run (every ph
 4) stopped after 2 steps and resumed from its checkpoint, then the same options under DDP. The parent compares
 the logs (fp32: rtol 1e-4; a reduce-scatter adds in another order than an all-reduce) and the checkpoints: the
 same files with the same tensor names, shapes and dtypes, values within the same tolerance. A spawn of 4 processes
-compares ``--fsdp --cp 2`` (2 replicas of 2 context-parallel ranks) with ``--cp 2`` under DDP the same way.
-``--fsdp`` with ``--tp`` > 1 is refused before anything runs.
+compares ``--fsdp --cp 2`` (2 replicas of 2 context-parallel ranks) with ``--cp 2`` under DDP, and ``--fsdp --tp
+2`` with ``--tp 2``, the same way.
 """
 from __future__ import annotations
 
@@ -28,14 +28,17 @@ RUN = dict(steps=4, dense_steps=1, warmup_steps=2, capacity=192, eval_every=2, e
 
 
 def _runs(world, result_dir):
-    """The runs every rank makes: on 2 ranks --fsdp stopped after 2 steps and resumed, then DDP; on 4 ranks
-    --fsdp --cp 2, then DDP --cp 2 (128 rows per CP rank, so that the layers' halo fits)."""
-    fsdp, ddp = os.path.join(result_dir, "fsdp"), os.path.join(result_dir, "ddp")
+    """The runs every rank makes, each into the folder of its name: on 2 ranks --fsdp stopped after 2 steps and
+    resumed, then DDP; on 4 ranks --fsdp --cp 2 and DDP --cp 2 (128 rows per CP rank, so that the layers' halo
+    fits), then --fsdp --tp 2 and DDP --tp 2."""
+    out = lambda name: os.path.join(result_dir, name)            # noqa: E731
     if world == 2:
-        return [dict(RUN, fsdp=True, out=fsdp, stop_after=2), dict(RUN, fsdp=True, out=fsdp, resume=fsdp),
-                dict(RUN, out=ddp)]
-    run = dict(RUN, capacity=256, cp=2)
-    return [dict(run, fsdp=True, out=fsdp), dict(run, out=ddp)]
+        return [dict(RUN, fsdp=True, out=out("fsdp"), stop_after=2), dict(RUN, fsdp=True, out=out("fsdp"),
+                                                                          resume=out("fsdp")),
+                dict(RUN, out=out("ddp"))]
+    cp, tp = dict(RUN, capacity=256, cp=2), dict(RUN, tp=2)
+    return [dict(cp, fsdp=True, out=out("fsdp")), dict(cp, out=out("ddp")),
+            dict(tp, fsdp=True, out=out("fsdp_tp")), dict(tp, out=out("ddp_tp"))]
 
 
 def _worker(rank, world, init_file, result_dir):
@@ -59,17 +62,20 @@ def _records(out, kind):
 
 
 def _spawn_runs(world, tmp_path, deadline_s):
-    """(fsdp run folder, ddp run folder) after :func:`_runs` ran on ``world`` spawned ranks."""
+    """The run folders of :func:`_runs` (under ``tmp_path``) after it ran on ``world`` spawned ranks."""
     with tempfile.TemporaryDirectory() as tmp:
         run_ranks(_worker, world, tmp, deadline_s=deadline_s)
-        for name in ("fsdp", "ddp"):
-            os.rename(os.path.join(tmp, name), tmp_path / name)
-    return tmp_path / "fsdp", tmp_path / "ddp"
+        for run in _runs(world, tmp):
+            name = os.path.basename(run["out"])
+            if not (tmp_path / name).exists():
+                os.rename(run["out"], tmp_path / name)
+    return tmp_path
 
 
 def test_fsdp_equals_ddp_and_writes_the_same_checkpoints(tmp_path):
     world = 2
-    fsdp, ddp = _spawn_runs(world, tmp_path, deadline_s=300)
+    runs = _spawn_runs(world, tmp_path, deadline_s=300)
+    fsdp, ddp = runs / "fsdp", runs / "ddp"
     assert [r["fsdp"] for r in _records(fsdp, "start")] == [True, True]
     assert [r["fsdp"] for r in _records(ddp, "start")] == [False]
     assert _records(fsdp, "start")[1]["resumed_from"].endswith("step_0000002")
@@ -107,11 +113,14 @@ def _assert_same_runs(fsdp, ddp, world):
         assert meta["run_config"]["fsdp"] is True and meta["world_size"] == world
 
 
-def test_fsdp_with_context_parallelism_equals_ddp(tmp_path):
-    """--fsdp --cp 2 on 4 ranks: FSDP2 shards over each context-parallel rank's data-parallel group (the ranks
-    of one CP group hold the same shard, whose gradient they sum) and matches DDP with --cp 2."""
+def test_fsdp_with_context_or_tensor_parallelism_equals_ddp(tmp_path):
+    """On 4 ranks. --fsdp --cp 2: FSDP2 shards over each context-parallel rank's data-parallel group (the ranks of
+    one CP group hold the same shard, whose gradient they sum). --fsdp --tp 2: FSDP2 shards each TP rank's slices
+    over its data-parallel group; the gradient norm sums the shards' squares over both groups, and a checkpoint
+    gathers FSDP2's shards, then the TP slices. Each matches the same run under DDP."""
     world = 4
-    fsdp, ddp = _spawn_runs(world, tmp_path, deadline_s=400)
-    assert [r["fsdp"] for r in _records(fsdp, "start")] == [True]
-    assert [r["fsdp"] for r in _records(ddp, "start")] == [False]
-    _assert_same_runs(fsdp, ddp, world)
+    runs = _spawn_runs(world, tmp_path, deadline_s=600)
+    for fsdp, ddp in (("fsdp", "ddp"), ("fsdp_tp", "ddp_tp")):
+        assert [r["fsdp"] for r in _records(runs / fsdp, "start")] == [True], fsdp
+        assert [r["fsdp"] for r in _records(runs / ddp, "start")] == [False], ddp
+        _assert_same_runs(runs / fsdp, runs / ddp, world)

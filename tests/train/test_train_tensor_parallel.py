@@ -277,7 +277,6 @@ def test_bad_tp_values_are_refused_before_anything_runs(tmp_path, monkeypatch, c
                         "num_attention_heads (4) and o_groups (2) are not a multiple of 3; "
                         "this model allows --tp 1, 2"),
         (["--tp", "4"], "o_groups (2) is not a multiple of 4"),
-        (["--tp", "2", "--fsdp"], "--fsdp does not compose with --tp 2 yet"),
     ]
     for args, message in cases:
         assert run_cli(*args, "--out", str(out)) == 2, args
