@@ -152,9 +152,11 @@ class DecoderLM(nn.Module):
         if pack is None:
             pack = pack_batch(cu_seqlens, tokens.shape[0], max_seqlen, cp_group=cp_group,
                               cp_partition=None if cp_group is None else cp_partition, cp_compressed=cp_compressed)
-        elif cp_group is not None or pack.total_rows != tokens.shape[0]:
-            raise ValueError(f"pack= is for one process and a batch of its {pack.total_rows} rows (got "
-                             f"{tokens.shape[0]} tokens{', and a cp_group' if cp_group is not None else ''})")
+        elif cp_group is not None or pack.cp_group is not None or pack.total_rows != tokens.shape[0]:
+            raise ValueError(f"pack= takes a single-device pack of the batch's {tokens.shape[0]} rows and no "
+                             f"cp_group (got a pack of {pack.total_rows} rows"
+                             f"{', built with a cp_group' if pack.cp_group is not None else ''}"
+                             f"{', and cp_group' if cp_group is not None else ''})")
         x = self.embed(local_rows(tokens, cp_group, cp_partition))
         for block in self.blocks:
             x = block(x, pack, phase, captured)

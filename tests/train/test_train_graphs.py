@@ -105,3 +105,14 @@ def test_records_name_the_option(tmp_path):
     out = tmp_path / "run"
     train(TrainConfig(steps=1, dense_steps=1, warmup_steps=0, capacity=96, plot=False, out=str(out)))
     assert records(out, "start")[0]["cuda_graphs"] is False
+
+
+def test_model_pack_argument_is_checked():
+    """DecoderLM(..., pack=) takes a single-device pack of the batch's rows (what GraphedSteps passes)."""
+    import dsv4attn
+    model = DecoderLM(model_config("tiny", (0,)))
+    tokens = torch.zeros(32, dtype=torch.long)
+    assert model(tokens, None, None, "dense", pack=dsv4attn.pack_batch(None, 32)).shape[0] == 32
+    with pytest.raises(ValueError, match=r"pack= takes a single-device pack of the batch's 32 rows and no "
+                                         r"cp_group \(got a pack of 40 rows\)"):
+        model(tokens, None, None, "dense", pack=dsv4attn.pack_batch(None, 40))
