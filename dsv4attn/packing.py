@@ -236,7 +236,7 @@ def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int
         host_values = (0, total_rows)
     else:
         if (device is not None and isinstance(cu_seqlens, torch.Tensor)
-                and cu_seqlens.device != torch.device(device)):
+                and cu_seqlens.device != _indexed(torch.device(device))):
             raise ValueError(f"cu_seqlens must be on {device}, got {cu_seqlens.device}")
         kept: list[int] = []
         max_seqlen = checks.check_batch(cu_seqlens, total_rows, max_seqlen, keep=kept)
@@ -253,6 +253,13 @@ def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int
     return PackedBatch(cu_seqlens=cu_seqlens, total_rows=total_rows, max_seqlen=max_seqlen, row_doc=row_doc,
                        row_position=row_position, row_doc_start=row_doc_start, row_is_real=row_is_real,
                        num_real_rows=cu[-1], host_cu_seqlens=host_values)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare ``"cuda"`` names the current CUDA device (what tensors report)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _padded(cu_seqlens: torch.Tensor | None, num_docs: int, total_rows: int, device) -> torch.Tensor:

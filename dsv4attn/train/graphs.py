@@ -1,88 +1,162 @@
-"""``--cuda-graphs``: each phase's forward and backward captured once in a CUDA graph, replayed for every batch.
+"""``--cuda-graphs``: the forward and backward of a training step captured in CUDA graphs, replayed for every batch.
 
 A graph replays the same kernels on the same memory, so every batch reaches it through fixed buffers of fixed
 shapes (docs/packing.md, "Under CUDA graphs"): the tokens and targets of ``rows`` rows, the target count as a
-device scalar, and one pack built with ``max_seqlen = rows`` and ``num_docs = rows`` (every batch fits: a document
-has at least one row) that :meth:`PackedBatch.copy_` refills with each batch's validated pack. The fixed
-``max_seqlen`` widens the dense and warm-up phases' "every visible entry" sets to ``rows / 4`` slots per query for
-every batch (eager runs size them by the batch's longest document): the price of one graph per phase.
+device scalar, and a pack built with ``num_docs = rows`` (every batch fits: a document has at least one row) that
+:meth:`PackedBatch.copy_` refills with each batch's validated pack.
 
-Per phase, the first batch warms up on a side stream (two eager steps, which build the kernels and the pack's
-tables), then the capture records forward, loss and backward with the gradients set to None, so the graph writes
-them to its own tensors; each replay points the parameters' ``.grad`` back at those. Clipping, the finite check and
-the optimizer step run eagerly after the replay (:func:`dsv4attn.train.step.train_step`). Autocast runs with its
-weight-cast cache off (a cached cast would be a tensor of the capture, stale at replay). One process only: the
-training job refuses ``--cuda-graphs`` with data, context or tensor parallelism and FSDP.
+**One graph per (phase, span).** A pack's ``max_seqlen`` sizes the work: the dense and warm-up phases' "every
+visible entry" sets hold ``max_seqlen / 4`` slots per query, the HCA layers' ``max_seqlen / 128``, the top-k at
+most ``max_seqlen / 4``. One graph per phase would have to take ``max_seqlen = rows`` for every batch: on the
+H200, ``--model small --capacity 32768``, that ran the dense phase at 0.15x and the sparse phase at 0.86x the
+eager step (BENCHMARKS.md). So a batch goes to the graph of its *span* (:func:`span_of`), the smallest power of
+two or 1.5 times a power of two (at least :data:`MIN_SPAN`, at most ``rows``) not below its longest document:
+the span-sized work is at most 1.5x the eager step's, and a run captures at most ``6 * log2(rows / MIN_SPAN)``
+graphs, in practice the few spans its data reaches.
 
-``capture=False`` runs the same buffers and steps eagerly (what the CPU tests compare with a plain run).
+**Memory.** Every graph draws from one shared pool (they never run concurrently, and what one leaves behind is
+read before the next replays), and all write the same gradient tensors: each graph zeroes the gradients of the
+parameters its phase trains, then its backward accumulates into them in place. The parameters a phase does not
+train (the indexer in the dense phase) get ``.grad = None`` after its replay, as after an eager backward.
+
+Per (phase, span), the first batch runs two eager steps (on a side stream when capturing; they build the kernels
+and the pack's tables, and the first finds which parameters receive gradients), then the capture records zeroing,
+forward, loss and backward. Clipping, the finite check and the optimizer step run eagerly after the replay
+(:func:`dsv4attn.train.step.train_step`). Autocast runs with its weight-cast cache off (a cached cast would be a
+tensor of the capture, stale at replay). One process only: the training job refuses ``--cuda-graphs`` with data,
+context or tensor parallelism and FSDP.
+
+``capture=False`` runs the same buffers, spans and gradient bookkeeping eagerly (what the CPU tests compare with a
+plain run).
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
-from ..packing import pack_batch
+from ..packing import PackedBatch, pack_batch
 from .data import IGNORE
 from .model import DecoderLM, lm_loss
+
+MIN_SPAN = 128      # the sliding window: shorter spans would only multiply graphs
+
+
+def span_of(max_seqlen: int, rows: int) -> int:
+    """The ``max_seqlen`` a batch whose longest document has ``max_seqlen`` rows is run with: the smallest power
+    of two or 1.5 times a power of two (128, 192, 256, 384, 512, 768, ...) not below it, within
+    [:data:`MIN_SPAN`, ``rows``]."""
+    if max_seqlen <= MIN_SPAN:
+        return min(rows, MIN_SPAN)
+    power = 1 << (max_seqlen - 1).bit_length()               # the power of two at or above
+    return min(rows, power * 3 // 4 if max_seqlen <= power * 3 // 4 else power)
+
+
+@dataclass
+class _Step:
+    """The forward + backward of one (phase, span): its graph (None when not capturing), its outputs, and the
+    parameters that receive gradients."""
+    graph: torch.cuda.CUDAGraph | None
+    pack: PackedBatch
+    trained: list[torch.nn.Parameter]
+    loss: torch.Tensor | None = None
+    indexer_loss: torch.Tensor | None = None
 
 
 class GraphedSteps:
     """The forward + backward of training steps over fixed buffers of ``rows`` rows (module docstring)."""
 
     def __init__(self, model: DecoderLM, rows: int, device: torch.device, capture: bool = True):
-        self.model, self.rows, self.capture = model, rows, capture
+        self.model, self.rows, self.device, self.capture = model, rows, device, capture
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.targets = torch.full((rows,), IGNORE, dtype=torch.long, device=device)
         self.num_targets = torch.zeros((), dtype=torch.long, device=device)
-        self.pack = pack_batch(None, rows, rows, device=device, num_docs=rows)
+        self.packs: dict[int, PackedBatch] = {}                 # span -> its pack, refilled per batch
+        self.steps: dict[tuple[str, int], _Step] = {}           # (phase, span) -> its captured step
+        self.grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # the gradient tensors every step writes
+        self.pool = None
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
                          if device.type == "cuda" else nullcontext())
-        self.graphs: dict[str, tuple] = {}      # phase -> (graph, loss, indexer loss, [(param, its grad)])
+
+    @property
+    def captured(self) -> list[tuple[str, int]]:
+        """The (phase, span) pairs that have a step, in the order they were first met."""
+        return list(self.steps)
 
     def run(self, batch, phase: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(LM loss, summed indexer loss or None) of ``batch`` in ``phase``, its gradients left in the model's
         ``.grad``: what :func:`dsv4attn.train.step.loss_and_grads` returns for one process."""
-        self._load(batch)
-        if not self.capture:
-            self.model.zero_grad(set_to_none=True)
-            return self._forward_backward(phase)
-        if phase not in self.graphs:
-            self.graphs[phase] = self._captured(phase)
-        graph, loss, indexer_loss, grads = self.graphs[phase]
-        graph.replay()
-        for p, grad in grads:
-            p.grad = grad
-        return loss, indexer_loss
+        span = self._load(batch)
+        key = (phase, span)
+        if key not in self.steps:
+            self.steps[key] = self._prepared(phase, self.packs[span])
+        step = self.steps[key]
+        if step.graph is not None:
+            step.graph.replay()
+        else:
+            step.loss, step.indexer_loss = self._zeroed_forward_backward(step, phase)
+        self._point_grads(step)
+        return step.loss, step.indexer_loss
 
-    def _load(self, batch) -> None:
+    def _load(self, batch) -> int:
+        """Copy ``batch`` into the buffers and its span's pack; return the span."""
         if batch.tokens.shape[0] != self.rows:
             raise ValueError(f"--cuda-graphs: the batch has {batch.tokens.shape[0]} rows, the captured buffers "
                              f"{self.rows}")
+        span = span_of(batch.max_seqlen, self.rows)
         # Validated here, outside any graph (the batch's one host read of its boundaries).
-        self.pack.copy_(pack_batch(batch.cu_seqlens, self.rows, self.rows, num_docs=self.rows))
+        pack = pack_batch(batch.cu_seqlens, self.rows, span, device=self.device, num_docs=self.rows)
+        if span in self.packs:
+            self.packs[span].copy_(pack)
+        else:
+            self.packs[span] = pack
         self.tokens.copy_(batch.tokens)
         self.targets.copy_(batch.targets)
         self.num_targets.fill_(batch.num_targets)
+        return span
 
-    def _forward_backward(self, phase: str):
+    def _forward_backward(self, phase: str, pack: PackedBatch):
         with self.autocast:
-            logits = self.model(self.tokens, None, None, phase, pack=self.pack)
+            logits = self.model(self.tokens, None, None, phase, pack=pack)
             loss = lm_loss(logits, self.targets, self.num_targets)
         loss.backward()
         return loss.detach(), self.model.indexer_loss()
 
-    def _captured(self, phase: str) -> tuple:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.model.zero_grad(set_to_none=True)
-                self._forward_backward(phase)
+    def _zeroed_forward_backward(self, step: _Step, phase: str):
+        """What a step's graph records: its gradients zeroed, then forward and backward accumulating into them
+        (a replay writes the same tensors whatever ``.grad`` holds by then; an eager run rebinds them first)."""
+        self._point_grads(step)
+        for p in step.trained:
+            p.grad.zero_()
+        return self._forward_backward(phase, step.pack)
+
+    def _point_grads(self, step: _Step) -> None:
+        trained = set(step.trained)
+        for p in self.model.parameters():
+            p.grad = self.grads[p] if p in trained else None
+
+    def _prepared(self, phase: str, pack: PackedBatch) -> _Step:
+        """The step of (phase, pack's span): which parameters it trains, its warm-up and, when capturing, its
+        graph."""
+        side = torch.cuda.Stream() if self.capture else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            self.model.zero_grad(set_to_none=True)
+            self._forward_backward(phase, pack)               # builds kernels and tables; shows who is trained
+            trained = [p for p in self.model.parameters() if p.grad is not None]
+            for p in trained:
+                self.grads.setdefault(p, torch.zeros_like(p))
+            step = _Step(graph=None, pack=pack, trained=trained)
+            if side is not None:
+                self._zeroed_forward_backward(step, phase)    # the in-place accumulation, once before capture
+        if side is None:
+            return step
         torch.cuda.current_stream().wait_stream(side)
-        self.model.zero_grad(set_to_none=True)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            loss, indexer_loss = self._forward_backward(phase)
-        grads = [(p, p.grad) for p in self.model.parameters() if p.grad is not None]
-        return graph, loss, indexer_loss, grads
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        step.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(step.graph, pool=self.pool):
+            step.loss, step.indexer_loss = self._zeroed_forward_backward(step, phase)
+        return step

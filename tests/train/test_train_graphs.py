@@ -2,7 +2,7 @@
 
 On the CPU the fixed-buffer step runs eagerly (``capture=False``) and must train exactly like the plain step over
 the phases; the option is refused where it cannot run, before anything is written. On a CUDA GPU the captured
-steps (one graph per phase, replayed with other batches) must give the plain run's losses.
+steps (one graph per phase and span, replayed with other batches) must give the plain run's losses.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 
 from dsv4attn.train import TrainConfig
 from dsv4attn.train.data import TRAIN, make_source
-from dsv4attn.train.graphs import GraphedSteps
+from dsv4attn.train.graphs import MIN_SPAN, GraphedSteps, span_of
 from dsv4attn.train.loop import train
-from dsv4attn.train.model import DecoderLM, model_config
+from dsv4attn.train.model import DecoderLM, lm_loss, model_config
 from dsv4attn.train.setup import build_optimizer
 from dsv4attn.train.step import train_step
 from train_helpers import records, tree_digest
@@ -23,9 +23,10 @@ from train_helpers import records, tree_digest
 PHASES = ["dense", "warmup", "warmup", "sparse", "sparse", "sparse"]
 
 
-def _run(graphed: bool, device: str = "cpu", rows: int = 192, widest: bool = False):
-    """(per-step metrics, final parameters) of 6 steps over the phases, the same model, data and optimizer.
-    ``widest``: the plain steps' batches say max_seqlen = rows, as the fixed buffers' pack does."""
+def _run(graphed: bool, device: str = "cpu", rows: int = 192, spans: bool = False, seed: int = 0):
+    """(per-step metrics, final parameters, the GraphedSteps or None) of 6 steps over the phases, the same model,
+    data and optimizer. ``spans``: the plain steps' batches say max_seqlen = their span, as the fixed buffers' packs
+    do."""
     cfg = TrainConfig(capacity=rows, plot=False)
     mcfg = model_config("tiny", (0, 4, 128, 4))
     torch.manual_seed(0)
@@ -36,29 +37,60 @@ def _run(graphed: bool, device: str = "cpu", rows: int = 192, widest: bool = Fal
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else None
     metrics = []
     for step, phase in enumerate(PHASES):
-        batch = source.batch(cfg.seed, TRAIN, step, rows).to(torch.device(device))
-        if widest:
-            batch = dataclasses.replace(batch, max_seqlen=rows)
+        batch = source.batch(seed, TRAIN, step, rows).to(torch.device(device))
+        if spans:
+            batch = dataclasses.replace(batch, max_seqlen=span_of(batch.max_seqlen, rows))
         metrics.append(train_step(model, optimizer, batch, phase, step, cfg.grad_clip, graphs=graphs,
                                   autocast=autocast))
-    return metrics, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    return metrics, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}, graphs
 
 
-def test_fixed_buffer_steps_train_exactly_like_plain_steps():
-    """The buffers, the refilled pack (num_docs = rows, padded with empty documents) and the device-side target
-    count change nothing: against plain steps given the same max_seqlen (= rows), every step's loss, indexer loss
-    and gradient norm and the final parameters are bit for bit equal. Against plain steps sized by each batch's
-    longest document, only the rounding of the wider candidate sets differs."""
-    fixed, fixed_params = _run(graphed=True)
-    plain, plain_params = _run(graphed=False, widest=True)
+@pytest.mark.parametrize("rows", [192, 640])
+def test_fixed_buffer_steps_train_exactly_like_plain_steps(rows):
+    """The buffers, the refilled packs (num_docs = rows, padded with empty documents), the device-side target count
+    and the shared gradient tensors (zeroed, then accumulated into) change nothing: against plain steps given the
+    same max_seqlen (the batch's span), every step's loss, indexer loss and gradient norm and the final parameters
+    are bit for bit equal. Against plain steps sized by each batch's longest document, only the rounding of the
+    wider candidate sets differs."""
+    fixed, fixed_params, graphs = _run(graphed=True, rows=rows)
+    plain, plain_params, _ = _run(graphed=False, rows=rows, spans=True)
     for step, (a, b) in enumerate(zip(fixed, plain)):
         assert (a.loss, a.indexer_loss, a.grad_norm) == (b.loss, b.indexer_loss, b.grad_norm), (step, a, b)
     for name, value in plain_params.items():
         assert torch.equal(fixed_params[name], value), name
-    narrow, _ = _run(graphed=False)
+    assert {phase for phase, _ in graphs.captured} == set(PHASES)
+    narrow, _, _ = _run(graphed=False, rows=rows)
     for step, (a, b) in enumerate(zip(fixed, narrow)):
         assert a.loss == pytest.approx(b.loss, rel=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4), \
             (step, a, b)
+
+
+def test_spans_are_powers_of_two_or_one_and_a_half_times_within_the_rows():
+    assert [span_of(m, 4096) for m in (0, 1, 100, 128, 129, 192, 193, 680, 768, 769, 2048, 2049, 3073, 4096)] == \
+        [MIN_SPAN, MIN_SPAN, MIN_SPAN, 128, 192, 192, 256, 768, 768, 1024, 2048, 3072, 4096, 4096]
+    assert span_of(150, 160) == 160 and span_of(5, 96) == 96
+
+
+@pytest.mark.parametrize("phase", ["dense", "warmup", "sparse"])
+def test_the_parameters_given_gradients_are_those_of_an_eager_backward(phase):
+    """After a step every parameter an eager backward gives a ``.grad`` has one (the shared tensor of the
+    GraphedSteps, equal to the eager gradient) and every other has None."""
+    mcfg = model_config("tiny", (0, 4, 128))
+    model = DecoderLM(mcfg)
+    source = make_source(None, n_layers=3, window=mcfg.attention.sliding_window)
+    batch = source.batch(0, TRAIN, 0, 192)
+    batch = dataclasses.replace(batch, max_seqlen=span_of(batch.max_seqlen, 192))
+    logits = model(batch.tokens, batch.cu_seqlens, batch.max_seqlen, phase)
+    lm_loss(logits, batch.targets, batch.num_targets).backward()
+    eager = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    graphs = GraphedSteps(model, 192, torch.device("cpu"), capture=False)
+    graphs.run(batch, phase)
+    for n, p in model.named_parameters():
+        if eager[n] is None:
+            assert p.grad is None, n
+        else:
+            assert p.grad is graphs.grads[p] and torch.equal(p.grad, eager[n]), n
 
 
 def test_a_batch_of_other_rows_is_refused():
@@ -90,11 +122,11 @@ def test_cuda_graphs_without_a_gpu_is_refused_before_anything_is_written(tmp_pat
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_captured_steps_give_the_plain_run_losses():
-    """One graph per phase, replayed with the phase's later batches: the losses of a plain bf16 run within bf16
-    rounding (the graphs' dense and warm-up candidate sets are wider, with -1 slots, so sums run in another
-    order)."""
-    plain, _ = _run(graphed=False, device="cuda")
-    fixed, _ = _run(graphed=True, device="cuda")
+    """One graph per phase and span, replayed with the later batches: the losses of a plain bf16 run within bf16
+    rounding (the graphs' candidate sets are sized by the span, with -1 slots, so sums run in another order)."""
+    plain, _, _ = _run(graphed=False, device="cuda")
+    fixed, _, graphs = _run(graphed=True, device="cuda")
+    assert all(step.graph is not None for step in graphs.steps.values())
     for step, (a, b) in enumerate(zip(fixed, plain)):
         assert a.loss == pytest.approx(b.loss, rel=2e-2), (step, a, b)
         assert (a.indexer_loss is None) == (b.indexer_loss is None), step
