@@ -84,10 +84,10 @@ class TrainConfig:
                                "without it. With --cp > 1 it shards over each CP rank's data-parallel group (the "
                                "CP ranks of a replica sum their gradient shards), with --tp > 1 it shards each TP "
                                "rank's slices; a single replica (world = cp x tp) runs unsharded")
-    cuda_graphs: bool = option(False, "capture each phase's forward and backward once in a CUDA graph and replay "
-                                      "it for every batch (one process on a CUDA device; the dense and warm-up "
-                                      "phases then size their candidate sets by --capacity, not by the batch's "
-                                      "longest document)")
+    cuda_graphs: bool = option(False, "capture the forward and backward in CUDA graphs, one per phase and span "
+                                      "(the batch's longest document rounded up to a power of two or 1.5 times "
+                                      "one), and replay them (one process on a CUDA device; candidate sets are "
+                                      "then sized by the span, not by the longest document)")
     pg_timeout: float = option(300.0, "seconds a collective waits for the other ranks; past it the job stops on "
                                       "every rank with an error naming the rank that failed (instead of waiting "
                                       "forever)")

@@ -11,17 +11,20 @@ most ``max_seqlen / 4``. One graph per phase would have to take ``max_seqlen = r
 H200, ``--model small --capacity 32768``, that ran the dense phase at 0.15x and the sparse phase at 0.86x the
 eager step (BENCHMARKS.md). So a batch goes to the graph of its *span* (:func:`span_of`), the smallest power of
 two or 1.5 times a power of two (at least :data:`MIN_SPAN`, at most ``rows``) not below its longest document:
-the span-sized work is at most 1.5x the eager step's, and a run captures at most ``6 * log2(rows / MIN_SPAN)``
-graphs, in practice the few spans its data reaches.
+the span-sized work is at most 1.5x the eager step's, and a run captures at most ``2 * log2(rows / MIN_SPAN) + 2``
+graphs per phase, in practice the few spans its data reaches.
 
-**Memory.** Every graph draws from one shared pool (they never run concurrently, and what one leaves behind is
-read before the next replays), and all write the same gradient tensors: each graph zeroes the gradients of the
-parameters its phase trains, then its backward accumulates into them in place. The parameters a phase does not
-train (the indexer in the dense phase) get ``.grad = None`` after its replay, as after an eager backward.
+**Memory.** Every graph draws from one shared pool: they never run concurrently, and the training step reads
+what a replay returns (the losses, the gradients) before the next replay, which may overwrite it (so may any
+capture's intermediate tensors, such as a layer's ``indexer_loss`` attribute, which is cleared after capture). All
+graphs write the same gradient tensors: each zeroes the gradients of the parameters its phase trains, then its
+backward accumulates into them in place. Parameters no eager backward of the phase reaches get ``.grad = None``
+after its replay.
 
-Per (phase, span), the first batch runs two eager steps (on a side stream when capturing; they build the kernels
-and the pack's tables, and the first finds which parameters receive gradients), then the capture records zeroing,
-forward, loss and backward. Clipping, the finite check and the optimizer step run eagerly after the replay
+The first batch of a phase runs one eager step with the gradients set to None (it finds which parameters the
+phase trains); the first batch of each (phase, span) then runs one eager step into the shared gradients (on a side
+stream when capturing; it builds the kernels and the pack's tables) before the capture records zeroing, forward,
+loss and backward. Clipping, the finite check and the optimizer step run eagerly after the replay
 (:func:`dsv4attn.train.step.train_step`). Autocast runs with its weight-cast cache off (a cached cast would be a
 tensor of the capture, stale at replay). One process only: the training job refuses ``--cuda-graphs`` with data,
 context or tensor parallelism and FSDP.
@@ -75,6 +78,7 @@ class GraphedSteps:
         self.packs: dict[int, PackedBatch] = {}                 # span -> its pack, refilled per batch
         self.steps: dict[tuple[str, int], _Step] = {}           # (phase, span) -> its captured step
         self.grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # the gradient tensors every step writes
+        self.trained: dict[str, list[torch.nn.Parameter]] = {}  # phase -> the parameters its backward reaches
         self.pool = None
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
                          if device.type == "cuda" else nullcontext())
@@ -86,7 +90,8 @@ class GraphedSteps:
 
     def run(self, batch, phase: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(LM loss, summed indexer loss or None) of ``batch`` in ``phase``, its gradients left in the model's
-        ``.grad``: what :func:`dsv4attn.train.step.loss_and_grads` returns for one process."""
+        ``.grad``: what :func:`dsv4attn.train.step.loss_and_grads` returns for one process. All of it is valid until
+        the next call, which may overwrite it (module docstring, "Memory")."""
         span = self._load(batch)
         key = (phase, span)
         if key not in self.steps:
@@ -137,20 +142,22 @@ class GraphedSteps:
             p.grad = self.grads[p] if p in trained else None
 
     def _prepared(self, phase: str, pack: PackedBatch) -> _Step:
-        """The step of (phase, pack's span): which parameters it trains, its warm-up and, when capturing, its
-        graph."""
+        """The step of (phase, pack's span): its warm-up and, when capturing, its graph."""
         side = torch.cuda.Stream() if self.capture else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side) if side is not None else nullcontext():
-            self.model.zero_grad(set_to_none=True)
-            self._forward_backward(phase, pack)               # builds kernels and tables; shows who is trained
-            trained = [p for p in self.model.parameters() if p.grad is not None]
-            for p in trained:
-                self.grads.setdefault(p, torch.zeros_like(p))
-            step = _Step(graph=None, pack=pack, trained=trained)
+            if phase not in self.trained:
+                self.model.zero_grad(set_to_none=True)
+                self._forward_backward(phase, pack)           # shows which parameters the phase trains
+                self.trained[phase] = [p for p in self.model.parameters() if p.grad is not None]
+                self.model.zero_grad(set_to_none=True)
+            for p in self.trained[phase]:
+                if p not in self.grads:
+                    self.grads[p] = torch.zeros_like(p)
+            step = _Step(graph=None, pack=pack, trained=self.trained[phase])
             if side is not None:
-                self._zeroed_forward_backward(step, phase)    # the in-place accumulation, once before capture
+                self._zeroed_forward_backward(step, phase)    # builds kernels and tables, accumulating in place
         if side is None:
             return step
         torch.cuda.current_stream().wait_stream(side)
@@ -159,4 +166,10 @@ class GraphedSteps:
         step.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(step.graph, pool=self.pool):
             step.loss, step.indexer_loss = self._zeroed_forward_backward(step, phase)
+        moved = [p for p in step.trained if p.grad is not self.grads[p]]
+        if moved:     # the backward replaced a .grad instead of adding into it: replays would train on stale zeros
+            raise RuntimeError(f"--cuda-graphs: the captured backward rebound .grad of {len(moved)} parameters "
+                               f"instead of accumulating into the shared gradient tensors")
+        for layer in self.model.attention_layers():
+            layer.indexer_loss = None                         # a tensor of the capture, overwritten by other graphs
         return step

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
 from dsv4attn.train import TrainConfig
-from dsv4attn.train.data import TRAIN, make_source
+from dsv4attn.train.data import TRAIN, make_source, pack_documents
 from dsv4attn.train.graphs import MIN_SPAN, GraphedSteps, span_of
 from dsv4attn.train.loop import train
 from dsv4attn.train.model import DecoderLM, lm_loss, model_config
@@ -21,28 +22,63 @@ from dsv4attn.train.step import train_step
 from train_helpers import records, tree_digest
 
 PHASES = ["dense", "warmup", "warmup", "sparse", "sparse", "sparse"]
+# (phase, longest document) of hand-made batches of 640 rows whose spans change inside a phase and come back to
+# an earlier span after a larger one: 128, 256, 128 | 384, 128 | 256, 128, 256, 384.
+SPAN_SCHEDULE = [("dense", 100), ("dense", 200), ("dense", 90), ("warmup", 300), ("warmup", 120),
+                 ("sparse", 250), ("sparse", 100), ("sparse", 230), ("sparse", 310)]
 
 
-def _run(graphed: bool, device: str = "cpu", rows: int = 192, spans: bool = False, seed: int = 0):
-    """(per-step metrics, final parameters, the GraphedSteps or None) of 6 steps over the phases, the same model,
-    data and optimizer. ``spans``: the plain steps' batches say max_seqlen = their span, as the fixed buffers' packs
-    do."""
+def _schedule_batches(rows: int, seed: int = 0):
+    """(phase, batch) of SPAN_SCHEDULE: random bytes in documents of the given longest length, then documents of
+    random shorter lengths up to ``rows``, and padding."""
+    gen = np.random.default_rng(seed)
+    out = []
+    for phase, longest in SPAN_SCHEDULE:
+        lengths = [longest]
+        while sum(lengths) < rows - 40:
+            lengths.append(int(gen.integers(1, min(longest, rows - sum(lengths)) + 1)))
+        gen.shuffle(lengths)
+        docs = [gen.integers(0, 256, n).astype(np.uint8) for n in lengths]
+        out.append((phase, pack_documents(docs, [np.zeros(n, dtype=bool) for n in lengths], rows)))
+    return out
+
+
+def _run(graphed: bool, device: str = "cpu", rows: int = 192, spans: bool = False, seed: int = 0,
+         schedule: bool = False):
+    """(per-step metrics, final parameters, the GraphedSteps or None) of steps over the phases (PHASES with the
+    retrieval data; SPAN_SCHEDULE's batches with ``schedule``), the same model, data and optimizer. ``spans``: the
+    plain steps' batches say max_seqlen = their span, as the fixed buffers' packs do."""
     cfg = TrainConfig(capacity=rows, plot=False)
     mcfg = model_config("tiny", (0, 4, 128, 4))
     torch.manual_seed(0)
     model = DecoderLM(mcfg).to(device)
     optimizer = build_optimizer(model, cfg)
     source = make_source(None, n_layers=mcfg.num_layers, window=mcfg.attention.sliding_window)
+    steps = (_schedule_batches(rows, seed) if schedule
+             else [(phase, source.batch(seed, TRAIN, step, rows)) for step, phase in enumerate(PHASES)])
     graphs = GraphedSteps(model, rows, torch.device(device), capture=device == "cuda") if graphed else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else None
     metrics = []
-    for step, phase in enumerate(PHASES):
-        batch = source.batch(seed, TRAIN, step, rows).to(torch.device(device))
+    for step, (phase, batch) in enumerate(steps):
+        batch = batch.to(torch.device(device))
         if spans:
             batch = dataclasses.replace(batch, max_seqlen=span_of(batch.max_seqlen, rows))
         metrics.append(train_step(model, optimizer, batch, phase, step, cfg.grad_clip, graphs=graphs,
                                   autocast=autocast))
     return metrics, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}, graphs
+
+
+def test_spans_change_within_a_phase_and_come_back():
+    """Batches whose spans change inside a phase and return to an earlier one: one step per (phase, span), and
+    the steps train bit for bit like plain steps given each batch's span."""
+    fixed, fixed_params, graphs = _run(graphed=True, rows=640, schedule=True)
+    plain, plain_params, _ = _run(graphed=False, rows=640, spans=True, schedule=True)
+    assert graphs.captured == [("dense", 128), ("dense", 256), ("warmup", 384), ("warmup", 128), ("sparse", 256),
+                               ("sparse", 128), ("sparse", 384)]
+    for step, (a, b) in enumerate(zip(fixed, plain)):
+        assert (a.loss, a.indexer_loss, a.grad_norm) == (b.loss, b.indexer_loss, b.grad_norm), (step, a, b)
+    for name, value in plain_params.items():
+        assert torch.equal(fixed_params[name], value), name
 
 
 @pytest.mark.parametrize("rows", [192, 640])
@@ -121,14 +157,20 @@ def test_cuda_graphs_without_a_gpu_is_refused_before_anything_is_written(tmp_pat
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_captured_steps_give_the_plain_run_losses():
-    """One graph per phase and span, replayed with the later batches: the losses of a plain bf16 run within bf16
-    rounding (the graphs' candidate sets are sized by the span, with -1 slots, so sums run in another order)."""
-    plain, _, _ = _run(graphed=False, device="cuda")
-    fixed, _, graphs = _run(graphed=True, device="cuda")
-    assert all(step.graph is not None for step in graphs.steps.values())
+@pytest.mark.parametrize("schedule", [False, True])
+def test_captured_steps_give_the_plain_run_losses(schedule):
+    """One graph per phase and span, replayed with the later batches (with ``schedule``: spans that change inside a
+    phase and come back, so graphs sharing one pool and one set of gradients replay out of capture order): the
+    losses and gradient norms of plain bf16 steps given each batch's span, within bf16 rounding."""
+    rows = 640 if schedule else 192
+    plain, _, _ = _run(graphed=False, device="cuda", rows=rows, spans=True, schedule=schedule)
+    fixed, _, graphs = _run(graphed=True, device="cuda", rows=rows, schedule=schedule)
+    assert graphs.steps and all(step.graph is not None for step in graphs.steps.values())
+    if schedule:
+        assert len(graphs.captured) == 7
     for step, (a, b) in enumerate(zip(fixed, plain)):
         assert a.loss == pytest.approx(b.loss, rel=2e-2), (step, a, b)
+        assert a.grad_norm == pytest.approx(b.grad_norm, rel=5e-2), (step, a, b)
         assert (a.indexer_loss is None) == (b.indexer_loss is None), step
 
 
