@@ -12,8 +12,8 @@ from ..ops.index_sets import Concat, Explicit, Rows, VisibleCompressed, Window
 from ..packing import PackedBatch, cached
 from ..parallel.setup import halo_rows, layer_frame
 from ..parallel.tensor import TensorParallel
-from ..rope import apply_rope, layer_rope_frequencies
-from .common import AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm, is_sharded
+from ..rope import layer_rope_frequencies
+from .common import AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm, is_sharded, rope_rows
 from .compressor import Compressor
 from .indexer import Indexer
 
@@ -195,7 +195,7 @@ class HybridAttention(KeepFp32Params):
         qr, q = self._queries(x, pos_q, inv_freq)
         # Replicated activations that this rank's heads consume enter through tp.copy: the backward sums the
         # ranks' partial gradients, so every replicated parameter before them gets the full gradient everywhere.
-        kv = tp.copy(apply_rope(self.kv_norm(self.kv_proj(x_keys)), pos_k, inv_freq))   # raw keys incl. the halo
+        kv = tp.copy(rope_rows(self.kv_norm(self.kv_proj(x_keys)), pos_k, inv_freq))   # raw keys incl. the halo
 
         # Index sets in key coordinates: raw key rows first, then the gathered compressed rows.
         window = frame.local_keys(Window(pack, c.sliding_window))
@@ -301,7 +301,7 @@ class HybridAttention(KeepFp32Params):
         x, inv_freq, pos = hidden_states, self._rope_table(hidden_states.device), pack.row_position
         layout = pack.compressed(4)
         qr, q = self._queries(x, pos, inv_freq)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), pos, inv_freq)
+        kv = rope_rows(self.kv_norm(self.kv_proj(x)), pos, inv_freq)
         compressed = self.compressor(x, layout, inv_freq).to(q.dtype)
         index_q, index_k, index_w = self.indexer(x, qr, pos, x, layout, inv_freq)
         outside_lse = self._outside_lse(q, kv, Window(pack, self.config.sliding_window))

@@ -6,6 +6,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..norms import rms_norm_unweighted  # noqa: F401  (the layers' name for it)
+from ..ops import rope_rotate
+
+
+def rope_rows(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """:func:`dsv4attn.rope.apply_rope` of (N, D) rows (the KV head, compressed entries) through the ``rope_rotate``
+    op: one fused pass each way on CUDA instead of a dozen elementwise kernels; the reference (``apply_rope``
+    itself) elsewhere."""
+    return rope_rotate(x.unsqueeze(1), positions, inv_freq).squeeze(1)
 
 
 def is_sharded(p: torch.Tensor) -> bool:

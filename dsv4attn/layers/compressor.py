@@ -6,8 +6,7 @@ from torch import nn
 
 from ..ops import compress_pool
 from ..packing import CompressedLayout, PackedBatch
-from ..rope import apply_rope
-from .common import KeepFp32Params, RMSNorm
+from .common import KeepFp32Params, RMSNorm, rope_rows
 
 
 class Compressor(KeepFp32Params):
@@ -39,4 +38,4 @@ class Compressor(KeepFp32Params):
         if isinstance(layout, PackedBatch):
             layout = layout.compressed(self.ratio)
         pooled = compress_pool(self.kv_proj(x), self.gate_proj(x), self.position_bias, layout)
-        return apply_rope(self.kv_norm(pooled), layout.entry_position, inv_freq)
+        return rope_rows(self.kv_norm(pooled), layout.entry_position, inv_freq)
