@@ -44,6 +44,7 @@ CASES.update({
     "bf16-D512-rope64-long-int32": _case("bf16", 512, 64, H=5, positions="long", int32=True),
     "fp32-D512-rope64-long": _case("fp32", 512, 64, H=2, positions="long"),
     "bf16-D96-rope32-H1": _case("bf16", 96, 32, H=1),                 # head_dim not a power of two: masked tile
+    "bf16-D512-rope64-H1-long": _case("bf16", 512, 64, H=1, positions="long"),   # the KV head's rows (rope_rows)
 })
 OPS = ("qnorm_rope", "rope_rotate", "inverse_rope")
 NAMES = ("out", "dx")
