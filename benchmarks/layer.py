@@ -14,6 +14,9 @@ sparse attention, indexer KL) and replays each call on its own, forward and forw
 ``--profile N`` runs one more forward + backward of each case under ``torch.profiler`` and prints the N kernels
 (or, on the CPU, operators) with the most self time: what "rest" is made of.
 
+``--compile`` adds a row per case for ``torch.compile(layer, fullgraph=True)`` (inductor: the registered Triton ops
+stay opaque, the norms, casts and other elementwise code between them are generated), after one compiling run.
+
 ``--peers .peers`` (with ``--breakdown``, one document per batch) replays the layer's own op calls through the peers
 a Megatron-style Hopper stack would run for them: the attention through FlashMLA's sparse forward and cuDNN
 Frontend 1.32's backward (fed FlashMLA's out and lse; the slots padded with -1 to a multiple of 128), the indexer
@@ -98,7 +101,7 @@ def breakdown(calls) -> dict[str, tuple[float, float]]:
     return {k: tuple(v) for k, v in totals.items()}
 
 
-def run_case(layer, x, cu, doc, phase, device, record=False):
+def run_case(layer, x, cu, doc, phase, device, record=False, pack=None):
     gib = 2.0 ** 30
     gc.collect()
     if device.type == "cuda":
@@ -109,7 +112,7 @@ def run_case(layer, x, cu, doc, phase, device, record=False):
     recorder = OpRecorder()
     with recorder if record else _nothing():
         start = time.perf_counter()
-        y = layer(x, cu_seqlens=cu, max_seqlen=doc, phase=phase)
+        y = layer(x, cu_seqlens=cu, max_seqlen=doc, phase=phase) if pack is None else layer(x, pack=pack, phase=phase)
         if device.type == "cuda":
             torch.cuda.synchronize()
         fwd = (time.perf_counter() - start) * 1e3
@@ -228,12 +231,16 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", choices=["auto", "reference", "triton"])
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile one step per case and print its N most expensive kernels")
+    ap.add_argument("--compile", action="store_true", help="also run each case through torch.compile(layer, "
+                    "fullgraph=True) (inductor; the pack built outside): a second row, phase marked 'compiled'")
     ap.add_argument("--peers", default=None, help="folder of the peers (e.g. .peers; with --breakdown, one document): "
                     "FlashMLA, cuDNN's backward and indexer in place of ours, op by op")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.breakdown and device.type != "cuda":
         raise SystemExit("--breakdown needs a CUDA device")
+    if args.compile and args.breakdown:
+        ap.error("--compile times the compiled layer whole: leave --breakdown out")
     if args.peers and not (args.breakdown and args.doc_len == 0):
         ap.error("--peers needs --breakdown and one document per batch (leave --doc-len out)")
     peers = Peers(args.peers) if args.peers else None
@@ -272,6 +279,14 @@ def main() -> None:
                     del calls
                 if args.profile:
                     profile_case(layer, x, cu, doc, phase, device, args.profile)
+                if args.compile:
+                    compiled = torch.compile(layer, fullgraph=True)
+                    pack = dsv4attn.pack_batch(cu, T, doc)      # outside the compiled region (it reads cu_seqlens)
+                    run_case(compiled, x, cu, doc, phase, device, pack=pack)    # compiles
+                    fwd, total, peak, reserved, live, _ = run_case(compiled, x, cu, doc, phase, device, pack=pack)
+                    print(f"| {T} | {doc} | {ratio} | {phase} (compiled) | {fwd:.1f} | {total:.1f} | {peak:.1f} | "
+                          f"{reserved:.1f} | {live:.2f} |", flush=True)
+                    del compiled, pack
             del layer
     if details:
         print("\nPer-op breakdown (each op call replayed alone; ms forward / forward+backward)")
