@@ -4,7 +4,8 @@ and timed on the GPU beside the shipped kernel (and FlashMLA) in one process.
     python benchmarks/kernel_variants.py VARIANTS.py --build-only          # any machine: sm_90 builds, PTX counts
     python benchmarks/kernel_variants.py VARIANTS.py --T 32768 --H 64 [--flashmla .peers/flashmla] [--rounds 5]
 
-``VARIANTS.py`` (kept outside the repository: an experiment, not a switch) defines
+``VARIANTS.py`` (an experiment's definition, not a switch: ``benchmarks/variants/`` holds the ones waiting for a GPU
+run; once measured, the figures go to BENCHMARKS.md and a variant either becomes the kernel or is deleted) defines
 
 - ``MODULE``: the module to vary, e.g. ``"dsv4attn.ops.sparse_attention.gluon_hopper"`` (the default);
 - ``VARIANTS``: ``{name: [(old, new), ...]}``; each ``old`` must occur exactly once in the module's source;
