@@ -228,7 +228,9 @@ class HybridAttention(KeepFp32Params):
                 index_q, index_k, index_w = self.indexer(x.detach(), qr.detach(), pos_q, x_keys.detach(), owned,
                                                          inv_freq)
                 index_k = frame.gather(index_k, "index_k")
-                topk = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), visible, c.index_topk)
+                # The scores the top-k ranked are the sparse teacher's student logits: the KL takes them as they are.
+                topk, topk_scores = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), visible,
+                                                 c.index_topk, return_scores=True)
                 if sharded:
                     # The distinct selected rows, from their owners; top-k renumbered to rows of `compressed`, and
                     # the indexer keys cut to the same rows so that the teacher's candidates address both alike.
@@ -245,7 +247,8 @@ class HybridAttention(KeepFp32Params):
             # logaddexp(lse, sink) normalises the teacher (no second attention over the window, logits formed once).
             full_lse = torch.logaddexp(lse.detach(), self.sinks.detach().to(lse.dtype))
             loss = self._indexer_loss(q, kv, compressed.to(kv.dtype), window, index_q, index_k, index_w,
-                                      Explicit(topk, bound=index_k.shape[0]), pack, full_lse=full_lse)
+                                      Explicit(topk, bound=index_k.shape[0]), pack, full_lse=full_lse,
+                                      student_scores=topk_scores)
         if loss is not None:
             out = AttachLoss.apply(out, loss)
         out = inverse_rope(out, pos_q, inv_freq)   # out of place: never a view of `out`
@@ -310,15 +313,17 @@ class HybridAttention(KeepFp32Params):
         return dict(q=q, compressed=compressed, outside_lse=outside_lse, index_q=index_q, index_k=index_k,
                     index_weights=index_w, layout=layout)
 
-    def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, candidates, pack, full_lse=None):
+    def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, candidates, pack, full_lse=None,
+                      student_scores=None):
         """coeff * sum_t KL_t / real rows of the global batch (under CP this rank's share). Teacher operands are
         detached (docs/semantics.md, invariant 9.9); ``candidates`` is the top-k (sparse teacher, with the attention's
-        ``full_lse``) or every visible entry (warm-up: the window + sink mass is computed here)."""
+        ``full_lse`` and the top-k's own scores as the student logits) or every visible entry (warm-up: the window +
+        sink mass is computed here)."""
         outside_lse = None if full_lse is not None else self._outside_lse(q, kv, window)
         # Under tensor parallelism q holds this rank's heads: head_sum adds the other ranks' teacher mass.
         kl = indexer_kl(index_q, index_k, index_w, q.detach(), compressed.detach(), candidates, outside_lse,
                         self.config.softmax_scale, full_lse=full_lse,
-                        head_sum=None if self.tp.world == 1 else self.tp.sum_)
+                        head_sum=None if self.tp.world == 1 else self.tp.sum_, student_scores=student_scores)
         return self.config.indexer_loss_coeff * kl.sum() / pack.num_real_rows.clamp(min=1).to(kl.dtype)
 
     def _check_input(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:

@@ -247,11 +247,14 @@ def test_phases_build_their_own_graph(monkeypatch):
     seen = []
     real = attention_module.indexer_kl
 
-    def spy(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, full_lse=None, head_sum=None):
+    def spy(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, full_lse=None, head_sum=None,
+            student_scores=None):
         seen.append(candidates)
         assert (full_lse is not None) == isinstance(candidates, dsv4attn.ops.Explicit)   # sparse: attention's L
+        assert (student_scores is not None) == (full_lse is not None)     # sparse: the top-k's own scores
         assert head_sum is None                       # one process: the teacher already sums every head
-        return real(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, full_lse=full_lse)
+        return real(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, full_lse=full_lse,
+                    student_scores=student_scores)
 
     monkeypatch.setattr(attention_module, "indexer_kl", spy)
     layer = make_layer(4)

@@ -185,3 +185,12 @@ def test_no_compressed_entry_with_static_max_seqlen():
     assert lay.capacity == 1 and lay.max_per_doc == 1
     got = indexer_topk(torch.randn(7, 2, 4), torch.randn(1, 4), torch.randn(7, 2), lay, 4)
     assert torch.equal(got, torch.full((7, 1), -1, dtype=torch.int32))
+
+
+def test_return_scores_must_be_a_bool():
+    import dsv4attn
+    from dsv4attn.ops import indexer_topk
+    pack = dsv4attn.pack_batch(torch.tensor([0, 16], dtype=torch.int32), 16)
+    q, k, w = torch.randn(16, 2, 4), torch.randn(4, 4), torch.randn(16, 2)
+    with pytest.raises(ValueError, match="return_scores must be a bool, got 'yes'"):
+        indexer_topk(q, k, w, pack.compressed(4), 2, return_scores="yes")

@@ -253,3 +253,45 @@ def test_exactly_one_denominator_form():
     nan[0, 0] = float("nan")
     with dsv4attn.checks.checks("values"), pytest.raises(ValueError, match="full_lse contains NaN"):
         indexer_kl(index_q, index_k, index_w, q, ckv, cand, full_lse=nan)      # a debug value check
+
+
+def _full_lse(q, ckv, cand, outside):
+    valid = cand >= 0
+    logits = torch.einsum("thd,tkd->thk", q, ckv[cand.clamp(min=0)]) * q.shape[-1] ** -0.5
+    return torch.logaddexp(outside, torch.logsumexp(logits.masked_fill(~valid[:, None, :], float("-inf")), -1))
+
+
+def test_student_scores_given_as_the_top_k_forms_them():
+    """The sparse phase hands the KL the scores its top-k ranked (indexer_topk(..., return_scores=True)): given the
+    values it would form itself, the loss and every gradient are bitwise unchanged (float64); other values change
+    the loss (they are what the forward uses) and not the way gradients flow (to index_q, index_k, weights)."""
+    from dsv4attn.ops import Explicit, indexer_topk
+    index_q, index_k, index_w, q, ckv, cand, outside = make_case(8, C=12, empty_rows=(2,))
+    visible = Explicit(cand)
+    chosen, scores = indexer_topk(index_q, index_k, index_w, visible, 6, return_scores=True)
+    full = _full_lse(q, ckv, chosen.long(), outside)
+    grad_kl = torch.rand(q.shape[0], dtype=q.dtype, generator=torch.Generator().manual_seed(8)) + 0.5
+
+    def run(student):
+        return run_with_grads(lambda a, b, c: indexer_kl(a, b, c, q, ckv, Explicit(chosen), full_lse=full,
+                                                         student_scores=student), index_q, index_k, index_w, (),
+                              grad_kl)
+    own, given = run(None), run(scores)
+    for name, g, w in zip(("kl", "d_index_q", "d_index_k", "d_index_weights"), given, own):
+        assert torch.equal(g, w), name
+    assert torch.isinf(scores[2]).all() and (chosen[2] == -1).all()     # the empty row: -inf scores, -1 slots
+    shifted = run(scores * 1.5)
+    assert (shifted[0] - own[0]).abs().max() > 1e-3
+    assert all(t.abs().max() > 0 for t in shifted[1:])
+
+
+def test_student_scores_are_checked():
+    index_q, index_k, index_w, q, ckv, cand, outside = make_case(9)
+    full = _full_lse(q, ckv, cand, outside)
+    scores = torch.zeros(cand.shape, dtype=torch.float64)
+    with pytest.raises(ValueError, match="student_scores needs full_lse"):
+        indexer_kl(index_q, index_k, index_w, q, ckv, cand, outside, student_scores=scores)
+    with pytest.raises(ValueError, match=r"student_scores must have shape \(10, 5\)"):
+        indexer_kl(index_q, index_k, index_w, q, ckv, cand, full_lse=full, student_scores=scores[:, :4])
+    with pytest.raises(ValueError, match="student_scores must have dtype"):
+        indexer_kl(index_q, index_k, index_w, q, ckv, cand, full_lse=full, student_scores=scores.long())

@@ -41,10 +41,13 @@ MULTI_BLOCK = dict(BLOCK_N=16)                 # several candidate blocks per ro
 
 
 def _case(dtype, kind="explicit", T=16, H=5, D=32, Hi=3, Di=16, Nc=40, K=20, fwd=None, bwd_n=None,
-          save_g=True, budget=None, lengths=None, teacher_dtype=None, full=False):
-    # full: the kernel is given each head's full denominator (full_lse) instead of the outside mass.
+          save_g=True, budget=None, lengths=None, teacher_dtype=None, full=False, scores=False):
+    # full: the kernel is given each head's full denominator (full_lse) instead of the outside mass. scores (with
+    # full): the student logits are given too, formed beforehand in fp32 (as the indexer's top-k forms them), and the
+    # low-precision reference is given the same ones.
     return dict(dtype=dtype, kind=kind, T=T, H=H, D=D, Hi=Hi, Di=Di, Nc=Nc, K=K, fwd=fwd or {},
-                bwd_n=bwd_n, save_g=save_g, budget=budget, lengths=lengths, teacher_dtype=teacher_dtype, full=full)
+                bwd_n=bwd_n, save_g=save_g, budget=budget, lengths=lengths, teacher_dtype=teacher_dtype, full=full,
+                scores=scores)
 
 
 # tests/packs.py's ragged lengths (length 1, < 4, == 4, 4 + 1, not divisible, an empty document) and one document
@@ -80,7 +83,25 @@ CASES = {
                                                               full=True),
     "bf16-visible-full-denominator-chunks": _case("bf16", kind="visible", lengths=RAGGED_WIDE, fwd=MULTI_BLOCK,
                                                   budget=9 * 17, full=True),
+    "fp32-topk-scores-given": _case("fp32", K=36, Nc=50, fwd=MULTI_BLOCK, full=True, scores=True),
+    "bf16-topk-scores-given": _case("bf16", K=36, Nc=50, fwd=MULTI_BLOCK, full=True, scores=True),
+    "bf16-topk-scores-given-recompute-bwd": _case("bf16", save_g=False, bwd_n=16, K=36, Nc=50, fwd=MULTI_BLOCK,
+                                                  full=True, scores=True),
+    "bf16-causal-topk-scores-given-default-config": _case("bf16", kind="causal", T=CAUSAL_T, K=20, full=True,
+                                                          scores=True),
+    "bf16-visible-scores-given-chunks": _case("bf16", kind="visible", lengths=RAGGED_WIDE, fwd=MULTI_BLOCK,
+                                              budget=9 * 17, full=True, scores=True),
 }
+
+
+def _student_scores(inputs) -> torch.Tensor:
+    """(T, K) fp32 student logits of the candidates from the rounded inputs, as the indexer's top-k forms them
+    (fp32 sums of the input-dtype products; -inf at empty slots)."""
+    from dsv4attn.ops.index_sets import gather_rows
+    from dsv4attn.ops.indexer.reference import index_scores
+    index_q, index_k, index_w, _, _, _, cand, _ = inputs
+    idx = cand.rows(0, cand.total_rows).long()
+    return index_scores(index_q.float(), gather_rows(index_k, idx).float(), index_w.float(), idx >= 0)
 
 
 def _inputs(c, seed):
@@ -192,9 +213,11 @@ def _worker() -> None:
         klt.INDEX_BUDGET = c["budget"] or klt.INDEX_BUDGET
         full = c["full"]
         given = _with_full_lse(inputs) if full else inputs
-        kernel = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, bwd_config=bwd, full=full), given)
+        student = _student_scores(inputs) if c["scores"] else None
+        kernel = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, bwd_config=bwd, full=full,
+                                                       student_scores=student), given)
         klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET = saved
-        ref_low = _run(lambda *a: indexer_kl_reference(*a, full=full), given)
+        ref_low = _run(lambda *a: indexer_kl_reference(*a, full=full, student_scores=student), given)
         exact = _run(indexer_kl_reference, inputs, widen=True)         # the outside-mass form: ground truth
         results[case_id] = _compare(kernel, ref_low, exact)
         results[case_id]["width"] = inputs[6].width
@@ -325,8 +348,10 @@ def _op_checks(klt, plumbing_inputs) -> dict:
     fwd_tiles = [int(klt.FWD_CONFIG[key]) for key in klt.FWD_KEYS]
     bwd_tiles = klt._tiles(None, klt.BWD_CONFIG, klt.BWD_KEYS)
     args = (*leaves, q, ckv, outside, cand.indices, 0.25, True, fwd_tiles, bwd_tiles)
+    student = _student_scores(plumbing_inputs)
     checks = [torch.library.opcheck(klt.indexer_kl_op, args),
-              torch.library.opcheck(klt.indexer_kl_op, (*args, True))]           # full_lse form
+              torch.library.opcheck(klt.indexer_kl_op, (*args, True)),           # full_lse form
+              torch.library.opcheck(klt.indexer_kl_op, (*args, True, student))]  # and the student's logits given
     _, full2, rowstat, g, n_end = klt.indexer_kl_op(*args[:7], 0.25, False, fwd_tiles, bwd_tiles)
     checks.append(torch.library.opcheck(klt.indexer_kl_backward_op,
                                         (grad_kl.float(), *(t.detach() for t in leaves), q, ckv, cand.indices, n_end,
@@ -451,15 +476,18 @@ def flash_inputs(T: int, mode: str, seed: int = 0, device="cuda"):
 
 
 @GPU
-@pytest.mark.parametrize("mode,save_g,fwd,full", [
-    ("sparse", True, None, False), ("warmup", True, None, False), ("warmup", False, None, False),
-    ("sparse", True, None, "gluon"), ("sparse", False, None, "gluon"), ("sparse", True, None, "triton"),
+@pytest.mark.parametrize("mode,save_g,fwd,full,scores", [
+    ("sparse", True, None, False, False), ("warmup", True, None, False, False), ("warmup", False, None, False, False),
+    ("sparse", True, None, "gluon", False), ("sparse", False, None, "gluon", False),
+    ("sparse", True, None, "triton", False), ("sparse", True, None, "gluon", True),
+    ("sparse", False, None, "gluon", True),
 ], ids=["sparse-T4096", "warmup-T4096", "warmup-T4096-recompute-bwd", "sparse-T4096-full-lse",
-        "sparse-T4096-full-lse-recompute-bwd", "sparse-T4096-full-lse-triton-teacher"])
-def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, monkeypatch):
+        "sparse-T4096-full-lse-recompute-bwd", "sparse-T4096-full-lse-triton-teacher", "sparse-T4096-scores-given",
+        "sparse-T4096-scores-given-recompute-bwd"])
+def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, scores, monkeypatch):
     """full: the full_lse form, its teacher mass from the Gluon kernel where it applies ("gluon": on SM90; other
     GPUs form it in the Triton KL kernel, and the test checks that this is what ran) or forced into the Triton KL
-    kernel ("triton")."""
+    kernel ("triton"). scores: the student logits given (fp32, as the top-k forms them), to the reference too."""
     from dsv4attn.ops.indexer_loss import triton as klt
     from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
 
@@ -477,13 +505,15 @@ def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, monke
     saved = klt.SAVE_G_MAX_WIDTH
     klt.SAVE_G_MAX_WIDTH = saved if save_g else -1
     try:
+        student = _student_scores(inputs) if scores else None
         kernel = _run(lambda *a: klt.indexer_kl_triton(*a, config=dict(klt.FWD_CONFIG, **(fwd or {})),
-                                                       full=bool(full)), given)
+                                                       full=bool(full), student_scores=student), given)
     finally:
         klt.SAVE_G_MAX_WIDTH = saved
     # The Gluon teacher ran exactly where it applies (a build failure would only warn and fall back), and only there.
     assert bool(calls) == gluon_expected and not (gluon_expected and variants.FAILED), variants.FAILED
-    measured = _compare(kernel, _run(lambda *a: indexer_kl_reference(*a, full=bool(full)), given),
+    measured = _compare(kernel, _run(lambda *a: indexer_kl_reference(*a, full=bool(full), student_scores=student),
+                                     given),
                         _run(indexer_kl_reference, inputs, widen=True))
     _assert_within_bounds(f"{mode}-T4096", measured, low_precision=True)
 

@@ -142,6 +142,22 @@ def _chosen_scores(q, k, w, chosen):
     return scores.masked_fill(chosen < 0, float("nan"))
 
 
+def _returned_score_err(q, k, w, chosen, scores) -> float:
+    """Largest difference between the scores returned with ``chosen`` and the float64 scores of those rows, relative
+    to the slot's sum of |w_h q_hd k_d| (what bounds an fp32 sum's rounding; a row's largest score would not: a
+    top-1 row with negative weights keeps its score nearest 0). -inf must mark exactly the -1 slots (inf if not)."""
+    if scores.shape != chosen.shape or not torch.equal(scores == float("-inf"), chosen < 0):
+        return float("inf")
+    valid = chosen >= 0
+    if not valid.any():
+        return 0.0
+    exact = _chosen_scores(q, k, w, chosen)
+    rows = k.double()[chosen.long().clamp(min=0)]                                  # (T, K, Di)
+    terms = torch.einsum("thd,tkd->thk", q.double().abs(), rows.abs())
+    magnitude = (terms * w.double().abs()[..., None]).sum(1).clamp(min=1e-30)
+    return float(((scores.double() - exact).abs() / magnitude)[valid].max())
+
+
 def _judge(c, q, k, w, candidates, got, want):
     cand = candidates.materialize()
     in_set = all(set(r[r >= 0].tolist()) <= set(s[s >= 0].tolist()) for r, s in zip(got, cand))
@@ -209,8 +225,15 @@ def _select_inputs(kind: str, rows: int, width: int, topk: int, gen: torch.Gener
     return orders.to(torch.int32).to(device), visible.clamp(0, width).to(device), first.to(device)
 
 
-def _select_reference(orders, visible, first, table, shift: int, topk: int) -> torch.Tensor:
-    """Plain PyTorch: each row's visible orders by a stable descending sort (ties to the lower j), mapped."""
+def _decoded(orders: torch.Tensor) -> torch.Tensor:
+    """The fp32 scores whose int32 orders these are (the score kernels' map inverted), as their int32 bits."""
+    o = orders.long()
+    return torch.where(o >= 0, o, o ^ 0x7FFFFFFF).to(torch.int32)
+
+
+def _select_reference(orders, visible, first, table, shift: int, topk: int):
+    """Plain PyTorch: each row's visible orders by a stable descending sort (ties to the lower j), mapped; and the
+    chosen slots' scores decoded from their orders (-inf where empty), as int32 bits."""
     j = torch.arange(orders.shape[1], device=orders.device)
     live = j[None, :] < visible[:, None]
     ranked = torch.sort(orders.long().masked_fill(~live, INT32_MIN - 1), dim=1, descending=True, stable=True)
@@ -219,7 +242,9 @@ def _select_reference(orders, visible, first, table, shift: int, topk: int) -> t
     entry = first[:, None] + best
     if table is not None:
         entry = table[entry.masked_fill(~found, 0)]
-    return torch.where(found, entry + shift, -1).to(torch.int32)
+    neg_inf = torch.tensor(float("-inf")).view(torch.int32)
+    bits = torch.where(found, _decoded(orders.gather(1, best)), neg_inf.to(orders.device))
+    return torch.where(found, entry + shift, -1).to(torch.int32), bits
 
 
 def _run_select(case, gen, config, by_rank=None, device="cpu"):
@@ -232,8 +257,11 @@ def _run_select(case, gen, config, by_rank=None, device="cpu"):
         table = torch.randint(1, 4, (width + 50,), generator=gen).cumsum(0).to(device)
     shift = 3 if with_table else 0
     got = torch.full((rows, topk), -7, dtype=torch.int32, device=device)       # every slot must be written
-    ix_triton._select(orders, first, visible, table, shift, got, config, by_rank=by_rank)
-    return got, _select_reference(orders, visible, first, table, shift, topk)
+    scores = torch.full((rows, topk), 7.0, dtype=torch.float32, device=device)
+    ix_triton._select(orders, first, visible, table, shift, got, scores, config, by_rank=by_rank)
+    want, want_bits = _select_reference(orders, visible, first, table, shift, topk)
+    # The scores as int32 bits: NaN scores (order INT32_MAX) compare equal that way, -0.0 and 0.0 do not.
+    return torch.cat([got, scores.view(torch.int32)], 1), torch.cat([want, want_bits], 1)
 
 
 def _select_checks() -> dict:
@@ -260,9 +288,12 @@ def _worker() -> None:
     results = {}
     for seed, (case_id, c) in enumerate(CASES.items()):
         q, k, w, candidates, _ = _make(c, 1000 + seed)
-        got = ix_triton.indexer_topk_triton(q, k, w, candidates, c["topk"], config=c["config"], budget=c["budget"])
-        want = indexer_topk_reference(q, k, w, candidates, c["topk"])
+        got, got_scores = ix_triton.indexer_topk_triton(q, k, w, candidates, c["topk"], config=c["config"],
+                                                        budget=c["budget"], return_scores=True)
+        want, want_scores = indexer_topk_reference(q, k, w, candidates, c["topk"], return_scores=True)
         results[case_id] = _judge(c, q, k, w, candidates, got, want)
+        results[case_id]["returned_scores"] = dict(kernel=_returned_score_err(q, k, w, got, got_scores),
+                                                   reference=_returned_score_err(q, k, w, want, want_scores))
 
     # Plumbing: registration, dispatch through the public op, determinism, and the documented fallbacks.
     c = CASES["fp32-H3-D32-top5"]
@@ -328,6 +359,14 @@ def test_kernel_matches_reference(interpreted, case_id):
     else:
         assert m["score_rel_err"] <= SCORE_RTOL, f"{case_id}: chosen scores differ by {m['score_rel_err']:.2e}"
         assert m["order_rel_err"] <= SCORE_RTOL, f"{case_id}: not best first ({m['order_rel_err']:.2e})"
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_returned_scores_are_the_chosen_rows_scores(interpreted, case_id):
+    """``return_scores``: the kernel's and the reference's scores of their chosen rows, against float64 scores of
+    those rows (fp32 summation noise; the reference's from its own fp32 sums)."""
+    m = interpreted[case_id]["returned_scores"]
+    assert m["kernel"] <= SCORE_RTOL and m["reference"] <= SCORE_RTOL, m
 
 
 @pytest.mark.parametrize("check", ["registered", "public_matches_direct", "deterministic",
@@ -465,7 +504,8 @@ def test_select_tile_must_be_a_power_of_two():
     orders, rows = torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
     config = dict(ix_triton.CONFIG, SELECT_TILE=48)
     with pytest.raises(ValueError, match="SELECT_TILE must be a power of two, got 48"):
-        ix_triton._select(orders, rows, rows, None, 0, torch.empty(2, 4, dtype=torch.int32), config)
+        ix_triton._select(orders, rows, rows, None, 0, torch.empty(2, 4, dtype=torch.int32),
+                          torch.empty(2, 4), config)
 
 
 def test_score_kernel_choice(monkeypatch):

@@ -10,7 +10,7 @@ from .reference import index_scores, indexer_topk_reference
 
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, layout: CompressedLayout | IndexSet,
-                 topk: int) -> torch.Tensor:
+                 topk: int, *, return_scores: bool = False):
     """Top-k compressed entries per query row by indexer score.
 
     Args:
@@ -20,12 +20,17 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, layout
         layout: the ratio-4 :class:`CompressedLayout` (candidates = visible entries of the row's document), or
             any :class:`IndexSet` of candidate rows of ``k`` listed in increasing order.
         topk: k > 0.
+        return_scores: also return the selected entries' scores.
     Returns:
         (T, min(topk, min(max_seqlen, T) // 4)) int32 rows of ``k`` (global compressed index), best first, ties to the
-        lower index, -1 for empty slots.
+        lower index, -1 for empty slots; with ``return_scores`` the pair (rows, scores), scores of the same shape in
+        fp32 (fp64 for fp64 inputs), -inf at empty slots: the values the selection ranked, which are the indexer
+        KL's student logits of those slots (``indexer_kl(..., student_scores=)``).
     """
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
+    if not isinstance(return_scores, bool):
+        raise ValueError(f"return_scores must be a bool, got {return_scores!r}")
     checks.check_tensor("q", q, dim=3, dtypes=checks.FLOATS)
     T, H, Di = q.shape
     checks.check_tensor("k", k, shape=(None, Di), dtypes=checks.FLOATS, device=q.device)
@@ -47,8 +52,8 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, layout
         checks.check_finite(name, t)
     with backend.exact_math(q.device):
         if backend.choose("indexer_topk", q.device) == "triton":
-            return backend.kernel("indexer_topk")(q, k, weights, candidates, topk)
-        return indexer_topk_reference(q, k, weights, candidates, topk)
+            return backend.kernel("indexer_topk")(q, k, weights, candidates, topk, return_scores=return_scores)
+        return indexer_topk_reference(q, k, weights, candidates, topk, return_scores=return_scores)
 
 
 try:  # registers the Triton kernel with the backend (used on CUDA); CPU-only installs run the reference

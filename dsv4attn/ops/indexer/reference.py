@@ -23,12 +23,16 @@ def index_scores(q_c: torch.Tensor, keys: torch.Tensor, w_c: torch.Tensor, valid
 
 
 def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, candidates: IndexSet,
-                           topk: int) -> torch.Tensor:
+                           topk: int, return_scores: bool = False):
+    """(T, min(topk, width)) int32 top-k rows (see the module docstring); with ``return_scores`` also their scores
+    (fp32, fp64 for fp64 inputs; -inf at empty slots)."""
     T, H, Di = q.shape
     width = min(topk, candidates.width)
     out = torch.full((T, width), -1, dtype=torch.int32, device=q.device)
+    chosen_scores = torch.full((T, width), float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32),
+                               device=q.device)
     if width == 0:
-        return out
+        return (out, chosen_scores) if return_scores else out
     with torch.no_grad():
         for s, e in chunk_rows(T, candidates.width * (H + Di), device=q.device):
             cand = candidates.rows(s, e)
@@ -37,6 +41,8 @@ def indexer_topk_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
             order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :width]
             chosen = cand.gather(1, order)
             # A NaN score sorts first and stays selected (its NaN then reaches the attention), as the kernels do.
-            chosen_valid = scores.gather(1, order) != float("-inf")
+            picked = scores.gather(1, order)
+            chosen_valid = picked != float("-inf")
             out[s:e] = torch.where(chosen_valid, chosen, torch.full_like(chosen, -1)).to(torch.int32)
-    return out
+            chosen_scores[s:e] = picked.to(chosen_scores.dtype)
+    return (out, chosen_scores) if return_scores else out

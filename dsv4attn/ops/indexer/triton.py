@@ -219,10 +219,11 @@ def _compact(row, n, threshold, ties, scratch, CAP: tl.constexpr, TILE: tl.const
 
 
 @triton.jit
-def _write_rows(scratch, taken, first, TABLE, out, live, shift, K, KP: tl.constexpr, HAS_TABLE: tl.constexpr,
+def _write_rows(scratch, taken, first, TABLE, out, scores, live, shift, K, KP: tl.constexpr, HAS_TABLE: tl.constexpr,
                 BY_RANK: tl.constexpr):
     """Store the best K of each row's ``taken`` (>= min(K, row length), <= 2 KP) scratch keys to ``out[r, 0:K]``
-    (rows where ``live``) as key rows, -1 where empty."""
+    (rows where ``live``) as key rows, -1 where empty, and their scores (fp32, decoded from the orders: the exact
+    values the score kernel formed) to ``scores[r, 0:K]``, -inf where empty."""
     slots = tl.arange(0, 2 * KP)[None, :]
     # .cg reads L2, where the other threads' scratch stores are (the caller's barrier orders them before this).
     keys = tl.load(scratch + slots, mask=slots < taken[:, None], other=INT64_MIN, cache_modifier=".cg")
@@ -235,10 +236,13 @@ def _write_rows(scratch, taken, first, TABLE, out, live, shift, K, KP: tl.conste
     if HAS_TABLE:
         entry = tl.load(TABLE + entry, mask=found, other=0)
     tl.store(out + rank, tl.where(found, entry + shift, -1).to(tl.int32), mask=(rank < K) & live[:, None])
+    bits = tl.where(order >= 0, order, order ^ 0x7FFFFFFF).to(tl.int32)      # the order's inverse
+    score = tl.where(found, bits.to(tl.float32, bitcast=True), float("-inf"))
+    tl.store(scores + rank, score, mask=(rank < K) & live[:, None])
 
 
 @triton.jit
-def _topk_select_kernel(ORDERS, FIRST, VISIBLE, TABLE, SCRATCH, OUT, rows_c, width, shift, K,
+def _topk_select_kernel(ORDERS, FIRST, VISIBLE, TABLE, SCRATCH, OUT, SCORES, rows_c, width, shift, K,
                         KP: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr, HAS_TABLE: tl.constexpr,
                         BY_RANK: tl.constexpr):
     # ROWS query rows per program; the steps a-d of the module docstring. BY_RANK (the CPU interpreter, where a
@@ -260,7 +264,8 @@ def _topk_select_kernel(ORDERS, FIRST, VISIBLE, TABLE, SCRATCH, OUT, rows_c, wid
         taken = tl.where(refill, _compact(row, n_refill, v, K, scratch, 2 * KP, TILE, False), taken)
     tl.debug_barrier()                         # every thread's scratch stores before the loads of _write_rows
     first = tl.load(FIRST + t, mask=live, other=0)
-    _write_rows(scratch, taken, first, TABLE, OUT + t[:, None] * K, live, shift, K, KP, HAS_TABLE, BY_RANK)
+    _write_rows(scratch, taken, first, TABLE, OUT + t[:, None] * K, SCORES + t[:, None] * K, live, shift, K, KP,
+                HAS_TABLE, BY_RANK)
 
 
 def contiguous_ranges(candidates: IndexSet):
@@ -342,11 +347,12 @@ def query_chunks(T: int, width: int, topk: int, budget: int):
     return chunk_rows(T, width + 4 * _select_width(topk), budget=budget)
 
 
-def _select(orders, first, visible, table, shift: int, out: torch.Tensor, config: dict,
+def _select(orders, first, visible, table, shift: int, out: torch.Tensor, scores: torch.Tensor, config: dict,
             by_rank: bool | None = None) -> None:
     """Write the best ``out.shape[1]`` candidates of each row of ``orders`` to ``out`` as int32 key rows, best first,
-    ties to the lower j, -1 for empty slots (module doc, step 2). ``by_rank``: order by pairwise counts instead of
-    ``tl.topk`` (default: under the CPU interpreter only; quadratic in KP and TILE)."""
+    ties to the lower j, -1 for empty slots (module doc, step 2), and their fp32 scores to ``scores`` (-inf where
+    empty). ``by_rank``: order by pairwise counts instead of ``tl.topk`` (default: under the CPU interpreter only;
+    quadratic in KP and TILE)."""
     rows_c, width = orders.shape
     topk = out.shape[1]
     select_tile = config["SELECT_TILE"]
@@ -358,7 +364,8 @@ def _select(orders, first, visible, table, shift: int, out: torch.Tensor, config
     rows = max(1, triton.next_power_of_2(config["SELECT_BLOCK"]) // tile)
     scratch = torch.empty(rows_c, 2 * kp, dtype=torch.int64, device=orders.device)
     _topk_select_kernel[(triton.cdiv(rows_c, rows),)](
-        orders, first, visible, table if table is not None else first, scratch, out, rows_c, width, shift, topk,
+        orders, first, visible, table if table is not None else first, scratch, out, scores, rows_c, width, shift,
+        topk,
         KP=kp, TILE=tile, ROWS=rows, HAS_TABLE=table is not None,
         BY_RANK=interpreting() if by_rank is None else by_rank, num_warps=config["SELECT_WARPS"])
 
@@ -366,7 +373,7 @@ def _select(orders, first, visible, table, shift: int, out: torch.Tensor, config
 @torch.library.custom_op("dsv4attn::indexer_topk_ranges", mutates_args=())
 def indexer_topk_ranges_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, first: torch.Tensor,
                            visible: torch.Tensor, table: Optional[torch.Tensor], shift: int, width: int, topk: int,
-                           tiles: list[int], budget: int) -> torch.Tensor:
+                           tiles: list[int], budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k over per-row contiguous candidate ranges (the output of :func:`contiguous_ranges`).
 
     Args:
@@ -378,13 +385,15 @@ def indexer_topk_ranges_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
         topk: k > 0. tiles: the config's values in :data:`TILE_KEYS` order; budget: int32 words per query chunk
             (:func:`query_chunks`).
     Returns:
-        (T, min(topk, width)) int32 rows of ``k``, best first, ties to the lower entry, -1 = empty.
+        (T, min(topk, width)) int32 rows of ``k``, best first, ties to the lower entry, -1 = empty; and their
+        scores, (T, min(topk, width)) fp32, -inf at empty slots.
     """
     T = q.shape[0]
     out_width = min(topk, width)
     out = torch.full((T, out_width), -1, dtype=torch.int32, device=q.device)
+    scores = torch.full((T, out_width), float("-inf"), dtype=torch.float32, device=q.device)
     if out_width == 0 or T == 0:
-        return out
+        return out, scores
     if q.dtype != k.dtype:       # the reference multiplies in fp32 then: both widen exactly
         q, k = q.float(), k.float()
     q, k, w = q.contiguous(), k.contiguous(), weights.float().contiguous()
@@ -394,14 +403,15 @@ def indexer_topk_ranges_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
     with backend.exact_math(q.device):
         for s, e in query_chunks(T, width, out_width, budget):
             orders = _score_orders(q[s:e], k, w[s:e], first[s:e], visible[s:e], table, shift, width, config)
-            _select(orders, first[s:e], visible[s:e], table, shift, out[s:e], config)
+            _select(orders, first[s:e], visible[s:e], table, shift, out[s:e], scores[s:e], config)
             del orders                         # freed before the next chunk's buffer is allocated
-    return out
+    return out, scores
 
 
 @indexer_topk_ranges_op.register_fake
 def _indexer_topk_ranges_fake(q, k, weights, first, visible, table, shift, width, topk, tiles, budget):
-    return q.new_empty((q.shape[0], min(topk, width)), dtype=torch.int32)
+    shape = (q.shape[0], min(topk, width))
+    return q.new_empty(shape, dtype=torch.int32), q.new_empty(shape, dtype=torch.float32)
 
 
 def _tile_list(config: dict) -> list[int]:
@@ -410,7 +420,8 @@ def _tile_list(config: dict) -> list[int]:
 
 
 def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, candidates: IndexSet,
-                        topk: int, config: dict | None = None, budget: int | None = None) -> torch.Tensor:
+                        topk: int, config: dict | None = None, budget: int | None = None,
+                        return_scores: bool = False):
     """Triton implementation behind :func:`dsv4attn.ops.indexer_topk` (arguments already checked).
 
     Args:
@@ -423,26 +434,32 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
         config: tile configuration (default :data:`CONFIG`); budget: int32 words per query chunk (default
             :data:`ORDER_BUDGET`).
     Returns:
-        (T, min(topk, candidates.width)) int32 rows of ``k``, best first, ties to the lower index, -1 = empty.
+        (T, min(topk, candidates.width)) int32 rows of ``k``, best first, ties to the lower index, -1 = empty;
+        with ``return_scores`` also their scores (the fp32 values the kernel ranked; -inf at empty slots).
 
     float64 inputs **fall back to the reference** (no fp64 kernel), as do index sets without contiguous ranges.
     """
     if isinstance(candidates, Stack):     # e.g. the two chunks of a head-tail context-parallel rank: one by one
-        out = torch.full((q.shape[0], min(topk, candidates.width)), -1, dtype=torch.int32, device=q.device)
+        width = min(topk, candidates.width)
+        out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
+        scores = torch.full((q.shape[0], width), float("-inf"), dtype=torch.float32, device=q.device)
         start = 0
         for part in candidates.parts:
             end = start + part.total_rows
-            chosen = indexer_topk_triton(q[start:end], k, weights[start:end], part, topk, config, budget)
+            chosen, chosen_scores = indexer_topk_triton(q[start:end], k, weights[start:end], part, topk, config,
+                                                        budget, return_scores=True)
             out[start:end, :chosen.shape[1]] = chosen
+            scores[start:end, :chosen.shape[1]] = chosen_scores
             start = end
-        return out
+        return (out, scores) if return_scores else out
     ranges = contiguous_ranges(candidates)
     if ranges is None or torch.float64 in (q.dtype, k.dtype, weights.dtype) or q.dtype not in KERNEL_DTYPES:
-        return indexer_topk_reference(q, k, weights, candidates, topk)
+        return indexer_topk_reference(q, k, weights, candidates, topk, return_scores=return_scores)
     first, visible, table, shift = ranges
     config = dict(CONFIG, **(config or {}))
-    return indexer_topk_ranges_op(q, k, weights, first, visible, table, shift, candidates.width, topk,
-                                  _tile_list(config), budget or ORDER_BUDGET)
+    out, scores = indexer_topk_ranges_op(q, k, weights, first, visible, table, shift, candidates.width, topk,
+                                         _tile_list(config), budget or ORDER_BUDGET)
+    return (out, scores) if return_scores else out
 
 
 variants.register(

@@ -11,7 +11,8 @@ from .reference import FLT_MIN, indexer_kl_naive, indexer_kl_reference
 def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
                compressed_kv: torch.Tensor, candidates: torch.Tensor | IndexSet,
                outside_lse: torch.Tensor | None = None, softmax_scale: float | None = None, *,
-               full_lse: torch.Tensor | None = None, head_sum=None) -> torch.Tensor:
+               full_lse: torch.Tensor | None = None, head_sum=None,
+               student_scores: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row KL(teacher || student) of the indexer (see ``reference.py`` for the formula).
 
     Args:
@@ -34,6 +35,10 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
             (docs/tensor_parallel.md). It is called once per chunk in the forward and again in the backward, the
             same number of times on every rank. Given, the PyTorch reference runs on every device (the fused
             kernels form the mass inside one launch).
+        student_scores: with ``full_lse`` (the sparse phase), the (T, C) student logits I(j) of the candidates as
+            the indexer's top-k formed them (``indexer_topk(..., return_scores=True)``), float, any value at empty
+            slots, detached: the forward takes them instead of forming I(j) again (on CUDA it then reads no
+            indexer key; the backward still forms the dots, which the gradients need).
     Returns:
         (T,) fp32 (fp64 for fp64 inputs) KL per row; 0 for rows with an empty S_t (incl. padding rows).
         The layer loss is ``coeff * kl.sum() / number_of_real_rows``.
@@ -68,15 +73,21 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
     for name, t in (("index_q", index_q), ("index_k", index_k), ("index_weights", index_weights), ("q", q),
                     ("compressed_kv", compressed_kv)):
         checks.check_finite(name, t)
+    if student_scores is not None:
+        if not full:
+            raise ValueError("student_scores needs full_lse: they are the top-k's own scores, for the sparse "
+                             "phase's teacher over exactly the attention's candidates")
+        width = candidates.shape[1] if isinstance(candidates, torch.Tensor) else candidates.width
+        checks.check_tensor("student_scores", student_scores, shape=(T, width), dtypes=F, device=index_q.device)
     scale = checks.check_scale(softmax_scale, q.shape[2])
     cand = within(as_index_set(candidates), index_k.shape[0])    # no kernel ever sees a row >= Nc (negative rows
                                                                   # are empty slots in all of them)
     with backend.exact_math(index_q.device):
         if head_sum is None and backend.choose("indexer_kl", index_q.device) == "triton":
             return backend.kernel("indexer_kl")(index_q, index_k, index_weights, q, compressed_kv, lse, cand, scale,
-                                                full=full)
+                                                full=full, student_scores=student_scores)
         return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, lse, cand, scale, full=full,
-                                    head_sum=head_sum)
+                                    head_sum=head_sum, student_scores=student_scores)
 
 
 try:  # registers the Triton kernels with the backend (used on CUDA); CPU-only installs run the reference

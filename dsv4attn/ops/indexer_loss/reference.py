@@ -26,14 +26,19 @@ from ..indexer.reference import index_scores
 FLT_MIN = torch.finfo(torch.float32).tiny
 
 
-def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand, scale, full=False, head_sum=None):
+def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand, scale, full=False, head_sum=None,
+           student_scores=None):
     """Student log-probabilities, normalised teacher and what the backward needs, for one chunk of rows.
     ``head_sum``: applied to the (rows, C) mass of the heads in ``q`` before it is normalised (the sum over the
-    other tensor-parallel ranks' heads)."""
+    other tensor-parallel ranks' heads). ``student_scores``: the chunk's (rows, C) student logits I(j) as the
+    indexer's top-k formed them, used instead of forming them again."""
     cd = torch.promote_types(index_q.dtype, torch.float32)
     valid = cand >= 0
     keys_i = gather_rows(index_k, cand).to(cd)
-    scores = index_scores(index_q, keys_i, index_weights, valid)
+    if student_scores is None:
+        scores = index_scores(index_q, keys_i, index_weights, valid)
+    else:
+        scores = student_scores.to(cd).masked_fill(~valid, float("-inf"))
     has_any = valid.any(dim=-1, keepdim=True)
     log_q = torch.log_softmax(torch.where(has_any, scores, torch.zeros_like(scores)), dim=-1)
     log_q = torch.where(valid, log_q, torch.zeros_like(log_q))
@@ -56,17 +61,18 @@ def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand,
 class _IndexerKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: IndexSet,
-                scale: float, full: bool, head_sum=None):
+                scale: float, full: bool, head_sum=None, student_scores=None):
         T = index_q.shape[0]
         cd = torch.promote_types(index_q.dtype, torch.float32)
         kl = torch.zeros(T, dtype=cd, device=index_q.device)
         per_row = candidates.width * (index_q.shape[1] + q.shape[1] + q.shape[2])
         for s, e in chunk_rows(T, per_row, device=index_q.device):
             kl[s:e] = _chunk(index_q[s:e], index_k, index_weights[s:e], q[s:e], compressed_kv,
-                             outside_lse[s:e], candidates.rows(s, e), scale, full, head_sum)[0]
+                             outside_lse[s:e], candidates.rows(s, e), scale, full, head_sum,
+                             None if student_scores is None else student_scores[s:e])[0]
         ctx.save_for_backward(index_q, index_k, index_weights, q, compressed_kv, outside_lse)
         ctx.candidates, ctx.scale, ctx.per_row, ctx.full = candidates, scale, per_row, full
-        ctx.head_sum = head_sum
+        ctx.head_sum, ctx.student_scores = head_sum, student_scores
         return kl
 
     @staticmethod
@@ -78,9 +84,10 @@ class _IndexerKL(torch.autograd.Function):
         d_w = torch.zeros(index_weights.shape, dtype=cd, device=index_q.device)
         for s, e in chunk_rows(index_q.shape[0], ctx.per_row, device=index_q.device):
             cand = ctx.candidates.rows(s, e)
+            given = None if ctx.student_scores is None else ctx.student_scores[s:e]
             _, target, log_q, valid, keys_i = _chunk(index_q[s:e], index_k, index_weights[s:e], q[s:e],
                                                      compressed_kv, outside_lse[s:e], cand, ctx.scale, ctx.full,
-                                                     ctx.head_sum)
+                                                     ctx.head_sum, given)
             student = torch.where(valid, log_q.exp(), torch.zeros_like(log_q))
             d_scores = grad_kl[s:e, None].to(cd) * (student * target.sum(-1, keepdim=True) - target)
             qi = index_q[s:e].to(cd)
@@ -95,15 +102,20 @@ class _IndexerKL(torch.autograd.Function):
             if d_k.shape[0]:                # an empty key table: every slot was empty, nothing to add
                 d_k.index_add_(0, cand.clamp(min=0).flatten(), d_keys.flatten(0, 1))
         return (d_q.to(index_q.dtype), d_k.to(index_k.dtype), d_w.to(index_weights.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: IndexSet,
-                         softmax_scale: float, full: bool = False, head_sum=None) -> torch.Tensor:
+                         softmax_scale: float, full: bool = False, head_sum=None,
+                         student_scores: torch.Tensor | None = None) -> torch.Tensor:
     """``full``: ``outside_lse`` holds each head's full denominator L_h itself (window + sink + S_t).
-    ``head_sum``: see :func:`dsv4attn.ops.indexer_kl` (called once per row chunk forward, again in the backward)."""
+    ``head_sum``: see :func:`dsv4attn.ops.indexer_kl` (called once per row chunk forward, again in the backward).
+    ``student_scores``: (T, C) student logits I(j) of the candidates as the top-k formed them (the forward's
+    student and the closed-form gradient's softmax use them; the backward forms the dots again for the gradients
+    of index_q, index_k and index_weights)."""
     return _IndexerKL.apply(index_q, index_k, index_weights, q.detach(), compressed_kv.detach(),
-                            outside_lse.detach(), candidates, softmax_scale, bool(full), head_sum)
+                            outside_lse.detach(), candidates, softmax_scale, bool(full), head_sum,
+                            None if student_scores is None else student_scores.detach())
 
 
 def indexer_kl_naive(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: torch.Tensor,

@@ -52,6 +52,8 @@ interpreter (``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -221,7 +223,8 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
                                  flt_min, H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
                                  BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr,
                                  BLOCK_DI: tl.constexpr, BLOCK_D: tl.constexpr, SAVE_G: tl.constexpr,
-                                 DOT_T: tl.constexpr, DOT_S: tl.constexpr, MASS_GIVEN: tl.constexpr):
+                                 DOT_T: tl.constexpr, DOT_S: tl.constexpr, MASS_GIVEN: tl.constexpr,
+                                 SCORES_GIVEN: tl.constexpr):
     """One row when each head's full denominator L_h is given (the main attention's logaddexp(lse, sink) when S_t
     is exactly its compressed candidates): one pass forming the student scores I(j) with their online LSE and the
     teacher mass m(j) = sum_h exp(s_h(j) - L_h) with Z = sum_j m(j), storing m(j) to MASS and log2(e) I(j) to G
@@ -229,6 +232,7 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
     KL = sum_j T (ln T - ln Q), T = m / Zf, Zf = max(Z, FLT_MIN), term by term as in the two-pass form (the
     one-pass identity (sum m ln m - sum m ln Q) / Zf - ln Zf cancels terms ~20x larger than KL in fp32), and with
     SAVE_G dKL/dI = Q (Z/Zf) - T in place of I. MASS_GIVEN: m(j) was formed beforehand (the Gluon teacher-mass kernel).
+    SCORES_GIVEN: G already holds log2(e) I(j) (the top-k's scores), so no indexer key is read here.
     Returns (kl, log2 of the student LSE, Zf, Z/Zf)."""
     n_end = tl.load(NEND + t)
     offs_h = tl.arange(0, BLOCK_HT)
@@ -239,10 +243,14 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
     z_acc = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, K, BLOCK_N):
         if start < n_end:
-            n, valid, rows, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI, BLOCK_DI,
-                                                    DOT_S)
+            if SCORES_GIVEN:
+                n, valid, rows = _load_slots(IDX, t, K, start, BLOCK_N)
+                score2 = tl.load(G + t * K + n, mask=valid, other=float("-inf"))
+            else:
+                n, valid, rows, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI,
+                                                        BLOCK_DI, DOT_S)
+                tl.store(G + t * K + n, score2, mask=n < K)
             m_v, l_v = _lane_lse_update(m_v, l_v, score2)
-            tl.store(G + t * K + n, score2, mask=n < K)
             if MASS_GIVEN:
                 mass = tl.load(MASS + t * K + n, mask=valid, other=0.0)
             else:
@@ -280,18 +288,20 @@ def _indexer_kl_fwd_kernel(
     BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_D: tl.constexpr, SAVE_G: tl.constexpr, DOT_T: tl.constexpr,
     DOT_S: tl.constexpr, FULL: tl.constexpr = False, MASS_GIVEN: tl.constexpr = False,
+    SCORES_GIVEN: tl.constexpr = False,
 ):
     # FULL2 (rows, H): log2 of each head's full denominator (FULL: the natural-log L itself). ROWSTAT (rows, 3):
     # log2 of the student's LSE, max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; slots past NEND, the
     # row's last valid slot + 1, are not written: the backward never reads them, the launcher zero-fills G).
     # FULL: OUTSIDE holds each head's full denominator L itself (natural log), so the teacher logits are formed
     # once (see _full_denominator_given_pass); MASS (rows, K) fp32 holds the teacher mass (scratch, or formed
-    # beforehand with MASS_GIVEN) and G is scratch for the student scores even without SAVE_G.
+    # beforehand with MASS_GIVEN) and G is scratch for the student scores even without SAVE_G (given beforehand,
+    # log2(e) I(j), with SCORES_GIVEN).
     t = tl.program_id(0).to(tl.int64)
     if FULL:
         kl, lse_i2, z_floor, sum_t = _full_denominator_given_pass(
             QI, KI, W, Q, CKV, OUTSIDE, IDX, NEND, FULL2, G, MASS, t, K, qk_scale, flt_min, H, D, Hi, Di,
-            BLOCK_N, BLOCK_HT, BLOCK_HI, BLOCK_DI, BLOCK_D, SAVE_G, DOT_T, DOT_S, MASS_GIVEN)
+            BLOCK_N, BLOCK_HT, BLOCK_HI, BLOCK_DI, BLOCK_D, SAVE_G, DOT_T, DOT_S, MASS_GIVEN, SCORES_GIVEN)
     else:
         # Pass 1: online per-head LSE of the teacher logits (all heads in one tile: BLOCK_HT >= H) and per-lane
         # online LSE of the student scores. Blocks past the row's last valid slot are skipped.
@@ -473,10 +483,11 @@ def _split_launch(config: dict) -> tuple[dict, dict]:
 
 
 def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict, full: bool = False,
-                mass: torch.Tensor | None = None):
+                mass: torch.Tensor | None = None, scores: torch.Tensor | None = None):
     """The forward kernel over ``chunks``, ``(start, end, idx (rows, K) int32, n_end (rows,) int32)`` each;
     ``full``: ``outside_lse`` holds each head's full denominator (see :func:`indexer_kl_triton`); ``mass``: with
-    ``full``, the teacher mass (T, K) fp32 formed beforehand (:func:`_gluon_teacher_mass`).
+    ``full``, the teacher mass (T, K) fp32 formed beforehand (:func:`_gluon_teacher_mass`); ``scores``: with
+    ``full``, the student logits I(j) (T, K) formed beforehand (the top-k's).
 
     Returns kl (T,), full2 (T, H), rowstat (T, 3) and G (T, K) (None unless ``save_g``), all fp32.
     """
@@ -502,10 +513,13 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
             scratch[name] = torch.empty(e - s, K, dtype=torch.float32, device=qi.device)
         return scratch[name][:e - s]
     cfg, launch = _split_launch(config)
+    scores_given = full and scores is not None
     meta = dict(_fwd_meta(H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype),
-                FULL=full, MASS_GIVEN=mass_given)
+                FULL=full, MASS_GIVEN=mass_given, SCORES_GIVEN=scores_given)
     for s, e, idx, n_end in chunks:
         g_rows = rows_of("g", g_buf, s, e) if full or save_g else kl
+        if scores_given:     # log2(e) I(j) where the kernel reads them; 0 at empty slots, as if never written
+            g_rows.copy_((scores[s:e].float() * 1.4426950408889634).masked_fill_(idx < 0, 0.0))
         mass_rows = rows_of("mass", mass, s, e) if full else kl
         _launch(_indexer_kl_fwd_kernel, e - s,
                 (qi[s:e], ki, w[s:e], qm[s:e], ckv, outside[s:e], idx, n_end, kl[s:e], full2[s:e], rowstat[s:e],
@@ -577,15 +591,16 @@ def _gluon_teacher_mass(operands, idx: torch.Tensor, full_lse: torch.Tensor, sca
 @torch.library.custom_op("dsv4attn::indexer_kl", mutates_args=())
 def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
                   compressed_kv: torch.Tensor, outside_lse: torch.Tensor, candidates: torch.Tensor, scale: float,
-                  save_g: bool, fwd_tiles: list[int], bwd_tiles: list[int],
-                  full: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  save_g: bool, fwd_tiles: list[int], bwd_tiles: list[int], full: bool = False,
+                  student_scores: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of :func:`indexer_kl_triton` for (T, K) int32 candidates (-1 = empty, K >= 1), arguments checked.
 
     Returns kl (T,) fp32 and what the backward reads: full2 (T, H) and rowstat (T, 3) fp32 (see
     ``_indexer_kl_fwd_kernel``), G = dKL/dI (T, K) fp32 when ``save_g`` (else (0, K)) and each row's last valid
     slot + 1, (T,) int32. ``fwd_tiles`` / ``bwd_tiles``: the configs' values in :data:`FWD_KEYS` /
     :data:`BWD_KEYS` order; ``bwd_tiles`` is only kept for the backward. ``full``: ``outside_lse`` is each head's
-    full denominator.
+    full denominator. ``student_scores`` (with ``full``): the (T, K) student logits formed by the top-k.
     """
     T, K = candidates.shape
     idx = candidates.to(torch.int32).contiguous()
@@ -594,7 +609,7 @@ def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: t
     mass = _gluon_teacher_mass(operands, idx, outside_lse, scale) if full else None
     with backend.exact_math(index_q.device):
         kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, [(0, T, idx, n_end)] if T else [], K, scale,
-                                                save_g, dict(zip(FWD_KEYS, fwd_tiles)), full, mass)
+                                                save_g, dict(zip(FWD_KEYS, fwd_tiles)), full, mass, student_scores)
     if g_buf is None:
         g_buf = kl.new_empty(0, K)
     return kl, full2, rowstat, g_buf, n_end
@@ -602,7 +617,7 @@ def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: t
 
 @indexer_kl_op.register_fake
 def _indexer_kl_fake(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates, scale, save_g,
-                     fwd_tiles, bwd_tiles, full=False):
+                     fwd_tiles, bwd_tiles, full=False, student_scores=None):
     T, K = candidates.shape
     f32 = dict(dtype=torch.float32)
     return (index_q.new_empty(T, **f32), index_q.new_empty(T, q.shape[1], **f32), index_q.new_empty(T, 3, **f32),
@@ -638,7 +653,7 @@ def _indexer_kl_backward_fake(grad_kl, index_q, index_k, index_weights, q, compr
 
 
 def _setup_context(ctx, inputs, output):
-    index_q, index_k, index_weights, q, compressed_kv, _, candidates, scale, _, _, bwd_tiles, full = inputs
+    index_q, index_k, index_weights, q, compressed_kv, _, candidates, scale, _, _, bwd_tiles, full, _ = inputs
     _, full2, rowstat, g, n_end = output
     ctx.save_for_backward(index_q, index_k, index_weights, q, compressed_kv, candidates, n_end, full2, rowstat, g)
     ctx.scale, ctx.bwd_tiles, ctx.full = scale, bwd_tiles, full
@@ -650,8 +665,10 @@ def _backward(ctx, grad_kl, *_grad_state):
     if grad_kl is None:
         grad_kl = index_q.new_zeros(index_q.shape[0], dtype=torch.float32)
     d_qi, d_ki, d_w = indexer_kl_backward_op(grad_kl, *ctx.saved_tensors, ctx.scale, ctx.bwd_tiles, ctx.full)
-    # No gradient to q, compressed_kv, outside_lse (the teacher is detached), candidates or the host arguments.
-    return d_qi, d_ki, d_w, None, None, None, None, None, None, None, None, None
+    # No gradient to q, compressed_kv, outside_lse (the teacher is detached), candidates, the student scores
+    # (values only: the gradients of index_q, index_k and index_weights come from the dots formed again) or the
+    # host arguments.
+    return d_qi, d_ki, d_w, None, None, None, None, None, None, None, None, None, None
 
 
 indexer_kl_op.register_autograd(_backward, setup_context=_setup_context)
@@ -694,7 +711,8 @@ def _tiles(config: dict | None, default: dict, keys: tuple[str, ...]) -> list[in
 
 def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
                       compressed_kv: torch.Tensor, outside_lse: torch.Tensor, candidates: IndexSet, scale: float,
-                      config: dict | None = None, bwd_config: dict | None = None, full: bool = False) -> torch.Tensor:
+                      config: dict | None = None, bwd_config: dict | None = None, full: bool = False,
+                      student_scores: torch.Tensor | None = None) -> torch.Tensor:
     """Triton implementation behind :func:`dsv4attn.ops.indexer_kl` (arguments already checked).
 
     Args:
@@ -710,6 +728,8 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
             time.
         scale: main attention softmax scale.
         config / bwd_config: tile configurations (default :data:`FWD_CONFIG` / :data:`BWD_CONFIG`).
+        student_scores: with ``full``, the (T, K) student logits the top-k formed (the forward reads them instead of
+            the indexer keys; a lazy index set is then materialised, as the scores are (T, K) already).
     Returns:
         (T,) fp32 KL per row, 0 for rows with an empty S_t.
 
@@ -720,9 +740,15 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
     tensors = (index_q, index_k, index_weights, q, compressed_kv, outside_lse)
     if (any(t.dtype not in KERNEL_DTYPES for t in tensors) or index_q.shape[0] == 0 or candidates.width == 0):
         return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates,
-                                    scale, full=full)
+                                    scale, full=full, student_scores=student_scores)
     fwd_tiles, bwd_tiles = _tiles(config, FWD_CONFIG, FWD_KEYS), _tiles(bwd_config, BWD_CONFIG, BWD_KEYS)
     q, compressed_kv, outside_lse = q.detach(), compressed_kv.detach(), outside_lse.detach()
+    if student_scores is not None:
+        if not full:
+            raise ValueError("student_scores needs full=True (the sparse phase's teacher over the top-k)")
+        student_scores = student_scores.detach()
+        if not isinstance(candidates, Explicit):
+            candidates = Explicit(candidates.materialize())
     if torch.compiler.is_compiling() and not isinstance(candidates, Explicit):
         # Dynamo cannot trace the lazy path's kernel launches (Triton's C helpers, the Gluon dispatch), so a
         # compiled graph takes the registered op with the whole (T, K) int32 candidate tensor (4 bytes a slot).
@@ -732,7 +758,7 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
         save_g = (candidates.width <= SAVE_G_MAX_WIDTH and torch.is_grad_enabled()
                   and any(t.requires_grad for t in (index_q, index_k, index_weights)))
         return indexer_kl_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, idx.to(torch.int32),
-                             float(scale), save_g, fwd_tiles, bwd_tiles, bool(full))[0]
+                             float(scale), save_g, fwd_tiles, bwd_tiles, bool(full), student_scores)[0]
     return _IndexerKLTriton.apply(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates,
                                   float(scale), dict(zip(FWD_KEYS, fwd_tiles)), _bwd_config(bwd_tiles),
                                   bool(full))
