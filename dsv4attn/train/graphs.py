@@ -21,10 +21,10 @@ graphs write the same gradient tensors: each zeroes the gradients of the paramet
 backward accumulates into them in place. Parameters no eager backward of the phase reaches get ``.grad = None``
 after its replay.
 
-The first batch of a phase runs one eager step with the gradients set to None (it finds which parameters the
-phase trains); the first batch of each (phase, span) then runs one eager step into the shared gradients (on a side
-stream when capturing; it builds the kernels and the pack's tables) before the capture records zeroing, forward,
-loss and backward. Clipping, the finite check and the optimizer step run eagerly after the replay
+The first batch of each (phase, span) runs one eager step with the gradients set to None (it finds which
+parameters that step trains; their eager gradients are freed right after), then, when capturing, one eager step
+into the shared gradients (both on a side stream; they build the kernels and the pack's tables) before the capture
+records zeroing, forward, loss and backward. Clipping, the finite check and the optimizer step run eagerly after the replay
 (:func:`dsv4attn.train.step.train_step`). Autocast runs with its weight-cast cache off (a cached cast would be a
 tensor of the capture, stale at replay). One process only: the training job refuses ``--cuda-graphs`` with data,
 context or tensor parallelism and FSDP.
@@ -59,7 +59,7 @@ def span_of(max_seqlen: int, rows: int) -> int:
 @dataclass
 class _Step:
     """The forward + backward of one (phase, span): its graph (None when not capturing), its outputs, and the
-    parameters that receive gradients."""
+    parameters that receive gradients (those an eager backward of the step reaches; the others keep None)."""
     graph: torch.cuda.CUDAGraph | None
     pack: PackedBatch
     trained: list[torch.nn.Parameter]
@@ -78,7 +78,6 @@ class GraphedSteps:
         self.packs: dict[int, PackedBatch] = {}                 # span -> its pack, refilled per batch
         self.steps: dict[tuple[str, int], _Step] = {}           # (phase, span) -> its captured step
         self.grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # the gradient tensors every step writes
-        self.trained: dict[str, list[torch.nn.Parameter]] = {}  # phase -> the parameters its backward reaches
         self.pool = None
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
                          if device.type == "cuda" else nullcontext())
@@ -147,15 +146,16 @@ class GraphedSteps:
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side) if side is not None else nullcontext():
-            if phase not in self.trained:
-                self.model.zero_grad(set_to_none=True)
-                self._forward_backward(phase, pack)           # shows which parameters the phase trains
-                self.trained[phase] = [p for p in self.model.parameters() if p.grad is not None]
-                self.model.zero_grad(set_to_none=True)
-            for p in self.trained[phase]:
+            # Which parameters this (phase, span) trains, as an eager backward from None gradients shows (a span may
+            # reach parameters another span of the phase does not, e.g. a compressor with no entry of its own).
+            self.model.zero_grad(set_to_none=True)
+            self._forward_backward(phase, pack)
+            trained = [p for p in self.model.parameters() if p.grad is not None]
+            self.model.zero_grad(set_to_none=True)
+            for p in trained:
                 if p not in self.grads:
                     self.grads[p] = torch.zeros_like(p)
-            step = _Step(graph=None, pack=pack, trained=self.trained[phase])
+            step = _Step(graph=None, pack=pack, trained=trained)
             if side is not None:
                 self._zeroed_forward_backward(step, phase)    # builds kernels and tables, accumulating in place
         if side is None:
