@@ -74,7 +74,8 @@ def recording_topk():
 
     def record(*args, **kwargs):
         result = inner(*args, **kwargs)
-        calls.append(result.detach().long())
+        chosen = result[0] if isinstance(result, tuple) else result       # (rows, scores) with return_scores
+        calls.append(chosen.detach().long())
         return result
 
     attention_module.indexer_topk = record

@@ -98,3 +98,15 @@ def test_pick_distances_match_brute_force():
     topk = _random_selection(T, k, seed=2)
     brute = sorted((t + 1) // 4 - 1 - j for t in range(T) if (t + 1) // 4 > k for j in topk[t].tolist() if j >= 0)
     assert sorted(bench.pick_distances(topk, k).tolist()) == brute
+
+
+def test_selections_record_every_csa_layers_top_k():
+    """``selections`` records the top-k each ratio-4 layer of a model computes in one sparse forward."""
+    from dsv4attn.train.model import DecoderLM, model_config
+    model = DecoderLM(model_config("tiny", (0, 4, 128, 4)))
+    tokens = torch.randint(0, 256, (96,))
+    picked = bench.selections(model, tokens)
+    assert sorted(picked) == [1, 3]
+    for topk in picked.values():
+        assert topk.dtype == torch.int64 and topk.shape[0] == 96
+        assert ((topk >= -1) & (topk < 96 // 4)).all()

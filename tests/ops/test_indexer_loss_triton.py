@@ -85,8 +85,10 @@ CASES = {
                                                   budget=9 * 17, full=True),
     "fp32-topk-scores-given": _case("fp32", K=36, Nc=50, fwd=MULTI_BLOCK, full=True, scores=True),
     "bf16-topk-scores-given": _case("bf16", K=36, Nc=50, fwd=MULTI_BLOCK, full=True, scores=True),
-    "bf16-topk-scores-given-recompute-bwd": _case("bf16", save_g=False, bwd_n=16, K=36, Nc=50, fwd=MULTI_BLOCK,
-                                                  full=True, scores=True),
+    # Scores other than the dots (x1.5): the forward and the gradients must both follow the given ones, also when
+    # narrow rows would otherwise recompute the teacher (save_g=False: given scores always save dKL/dI).
+    "fp32-topk-scores-given-scaled-no-save": _case("fp32", save_g=False, bwd_n=16, K=36, Nc=50, fwd=MULTI_BLOCK,
+                                                   full=True, scores="scaled"),
     "bf16-causal-topk-scores-given-default-config": _case("bf16", kind="causal", T=CAUSAL_T, K=20, full=True,
                                                           scores=True),
     "bf16-visible-scores-given-chunks": _case("bf16", kind="visible", lengths=RAGGED_WIDE, fwd=MULTI_BLOCK,
@@ -94,14 +96,14 @@ CASES = {
 }
 
 
-def _student_scores(inputs) -> torch.Tensor:
-    """(T, K) fp32 student logits of the candidates from the rounded inputs, as the indexer's top-k forms them
-    (fp32 sums of the input-dtype products; -inf at empty slots)."""
+def _student_scores(inputs, dtype=torch.float32) -> torch.Tensor:
+    """(T, K) student logits of the candidates from the rounded inputs, as the indexer's top-k forms them (fp32 sums
+    of the input-dtype products, or float64 with ``dtype``; -inf at empty slots)."""
     from dsv4attn.ops.index_sets import gather_rows
     from dsv4attn.ops.indexer.reference import index_scores
     index_q, index_k, index_w, _, _, _, cand, _ = inputs
     idx = cand.rows(0, cand.total_rows).long()
-    return index_scores(index_q.float(), gather_rows(index_k, idx).float(), index_w.float(), idx >= 0)
+    return index_scores(index_q.to(dtype), gather_rows(index_k, idx).to(dtype), index_w.to(dtype), idx >= 0)
 
 
 def _inputs(c, seed):
@@ -148,9 +150,10 @@ def _inputs(c, seed):
     return index_q, index_k, index_w, q, ckv, outside, cand, grad_kl
 
 
-def _with_full_lse(inputs):
+def _with_full_lse(inputs, dtype=torch.float32):
     """The inputs with the outside mass replaced by each head's full denominator L = logaddexp(outside, lse_S),
-    computed in float64 from the rounded inputs, then stored in fp32 (what a caller would pass as full_lse)."""
+    computed in float64 from the rounded inputs, then stored in fp32 (what a caller would pass as full_lse; float64
+    with ``dtype``)."""
     index_q, index_k, index_w, q, ckv, outside, cand, grad_kl = inputs
     full = torch.empty_like(outside, dtype=torch.float64)
     for s in range(0, q.shape[0], 256):                                       # rows in chunks: (256, K, D) gathers
@@ -159,7 +162,7 @@ def _with_full_lse(inputs):
         logits = torch.einsum("thd,tkd->thk", q[s:e].double(), ckv.double()[idx.clamp(min=0)]) * q.shape[-1] ** -0.5
         logits = logits.masked_fill(~(idx >= 0)[:, None, :], float("-inf"))
         full[s:e] = torch.logaddexp(outside[s:e].double(), torch.logsumexp(logits, dim=-1))
-    return index_q, index_k, index_w, q, ckv, full.float(), cand, grad_kl
+    return index_q, index_k, index_w, q, ckv, full.to(dtype), cand, grad_kl
 
 
 def _run(fn, inputs, widen=False):
@@ -214,11 +217,18 @@ def _worker() -> None:
         full = c["full"]
         given = _with_full_lse(inputs) if full else inputs
         student = _student_scores(inputs) if c["scores"] else None
+        if c["scores"] == "scaled":
+            student = student * 1.5
         kernel = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, bwd_config=bwd, full=full,
                                                        student_scores=student), given)
         klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET = saved
         ref_low = _run(lambda *a: indexer_kl_reference(*a, full=full, student_scores=student), given)
-        exact = _run(indexer_kl_reference, inputs, widen=True)         # the outside-mass form: ground truth
+        if c["scores"] == "scaled":     # ground truth with the same (scaled) student, in float64
+            student64 = _student_scores(inputs, torch.float64) * 1.5
+            exact = _run(lambda *a: indexer_kl_reference(*a, full=True, student_scores=student64),
+                         _with_full_lse(inputs, torch.float64), widen=True)
+        else:
+            exact = _run(indexer_kl_reference, inputs, widen=True)     # the outside-mass form: ground truth
         results[case_id] = _compare(kernel, ref_low, exact)
         results[case_id]["width"] = inputs[6].width
 

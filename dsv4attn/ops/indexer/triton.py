@@ -442,7 +442,8 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     if isinstance(candidates, Stack):     # e.g. the two chunks of a head-tail context-parallel rank: one by one
         width = min(topk, candidates.width)
         out = torch.full((q.shape[0], width), -1, dtype=torch.int32, device=q.device)
-        scores = torch.full((q.shape[0], width), float("-inf"), dtype=torch.float32, device=q.device)
+        scores = torch.full((q.shape[0], width), float("-inf"), device=q.device,
+                            dtype=torch.promote_types(q.dtype, torch.float32))   # fp64 parts take the reference
         start = 0
         for part in candidates.parts:
             end = start + part.total_rows

@@ -602,6 +602,8 @@ def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: t
     :data:`BWD_KEYS` order; ``bwd_tiles`` is only kept for the backward. ``full``: ``outside_lse`` is each head's
     full denominator. ``student_scores`` (with ``full``): the (T, K) student logits formed by the top-k.
     """
+    if student_scores is not None and not full:
+        raise ValueError("indexer_kl op: student_scores needs full=True (the full-denominator form reads them)")
     T, K = candidates.shape
     idx = candidates.to(torch.int32).contiguous()
     n_end = _row_ends(idx)
@@ -755,7 +757,9 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
         candidates = Explicit(candidates.materialize())
     if isinstance(candidates, Explicit):       # the sparse phase's top-k
         idx = candidates.rows(0, candidates.total_rows) if candidates.offset else candidates.indices
-        save_g = (candidates.width <= SAVE_G_MAX_WIDTH and torch.is_grad_enabled()
+        # Given student scores always save dKL/dI (G is their size): a backward recomputing the teacher would form
+        # the student from the dots again, not from the given scores its forward used.
+        save_g = ((candidates.width <= SAVE_G_MAX_WIDTH or student_scores is not None) and torch.is_grad_enabled()
                   and any(t.requires_grad for t in (index_q, index_k, index_weights)))
         return indexer_kl_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, idx.to(torch.int32),
                              float(scale), save_g, fwd_tiles, bwd_tiles, bool(full), student_scores)[0]
