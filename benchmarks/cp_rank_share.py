@@ -9,8 +9,13 @@ the layer runs exactly the rank's code path: its local rows, their halo, every r
 indexer keys (all-gathered), its top-k over all of them, and the backward's gradient all-reduce. The all-gathers'
 other blocks are random rows of the rank's own block's shape and root-mean-square (drawn once per shape), so every
 kernel sees data of the size and spread it would see in the real run; the all-reduce leaves its tensor as it is.
-What is timed is the rank's compute; the communication's bytes are what ``cp_sharded_memory.py`` counts
-(``--cp-compressed gather``: the sharded path reads split sizes from its all-to-alls and cannot run this way).
+What is timed is the rank's compute; the communication's bytes are what ``cp_sharded_memory.py`` counts.
+
+``--cp-compressed sharded`` runs the sharded compressed memory (docs/context_parallel.md): after its top-k the
+rank works out which distinct entries it needs and gathers its own rows for the others, as in the real run; the
+exchange itself is stood in for by assuming every other rank asks this one for as many rows as it asks of them (the
+plan's split sizes, which the real run reads from an all-to-all), and the fetched rows are the rank's own served
+rows (same shape and scale).
 
 The rank defaults to the busiest: the last one under the contiguous partition (its queries see the most compressed
 entries), rank 0 under head-tail (every rank does the same work). Per case: forward ms, forward + backward ms
@@ -33,6 +38,7 @@ import dsv4attn
 from dsv4attn.parallel import comm
 
 _pool: dict[tuple, torch.Tensor] = {}
+_real_all_to_all = dist.all_to_all_single
 
 
 def _stand_in_all_gather(t: torch.Tensor, group) -> torch.Tensor:
@@ -48,20 +54,39 @@ def _stand_in_all_gather(t: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def _stand_in_fetch_plan(needed: torch.Tensor, block: int, group, tag=None) -> comm.FetchPlan:
+    """``comm.fetch_plan`` with the other ranks' requests assumed symmetric to this rank's (no all-to-all)."""
+    world, _ = comm.world_and_rank(group)
+    needed = needed.long()
+    owner = torch.div(needed, max(block, 1), rounding_mode="floor")
+    requested = torch.bincount(owner, minlength=world).tolist()          # the real plan's one host read
+    serve_rows = (needed - owner * block).clamp(0, max(block - 1, 0))    # as many local rows served as asked
+    return comm.FetchPlan(requested, list(requested), serve_rows)
+
+
+def _stand_in_all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                         async_op=False):
+    """The fake group's all-to-all leaves ``output`` as it was: fill it with what was sent (equal sizes here)."""
+    if output.shape == input.shape:
+        output.copy_(input)
+    return None
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
 def run_share(cfg, ratio: int, tokens: int, world: int, rank: int, partition: str, phase: str, reps: int,
-              device: torch.device, dtype: torch.dtype) -> tuple[float, float, float, float]:
+              device: torch.device, dtype: torch.dtype, compressed: str = "gather"
+              ) -> tuple[float, float, float, float]:
     """(forward ms, forward + backward ms, peak GiB, peak reserved GiB) of rank ``rank``'s share."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         group = dist.group.WORLD
         # The rank-side pack without the agreement (an all-gather of metadata the fake group cannot answer).
         pack = dataclasses.replace(dsv4attn.pack_batch(None, tokens, tokens, device=device), cp_group=group,
-                                   cp_partition=partition, cp_compressed="gather")
+                                   cp_partition=partition, cp_compressed=compressed)
         layer = dsv4attn.HybridAttention(cfg, ratio).to(device=device, dtype=dtype).train()
         x = torch.randn(tokens // world, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
         fwd, total = [], []
@@ -105,6 +130,7 @@ def main() -> None:
     ap.add_argument("--preset", default=None, choices=["tiny", "flash", "pro"],
                     help="default: flash on a GPU, tiny on the CPU")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--cp-compressed", nargs="+", default=["gather"], choices=["gather", "sharded"])
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -112,25 +138,27 @@ def main() -> None:
     cfg = getattr(dsv4attn.AttentionConfig, preset)()
     dsv4attn.set_checks(False)
     comm._all_gather_cat = _stand_in_all_gather
+    comm.fetch_plan = _stand_in_fetch_plan
+    comm.dist.all_to_all_single = _stand_in_all_to_all
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{preset} geometry, {dtype}, {name}, ratio {args.ratio}, {args.phase} phase; one rank's compute, the "
           f"others stood in for")
-    print("| tokens | CP | partition | rank | rows | fwd ms | fwd+bwd ms | peak GiB | peak reserved GiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tokens | CP | partition | compressed | rank | rows | fwd ms | fwd+bwd ms | peak GiB | peak reserved GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for tokens in args.tokens:
         for world in args.world:
             for partition in args.partition:
-                rank = args.rank if args.rank is not None else (world - 1 if partition == "contiguous" else 0)
-                try:
-                    fwd, total, peak, reserved = run_share(cfg, args.ratio, tokens, world, rank, partition,
-                                                           args.phase, args.reps, device, dtype)
-                except torch.OutOfMemoryError:
-                    print(f"| {tokens} | {world} | {partition} | {rank} | {tokens // world} | OOM | OOM | - | - |",
-                          flush=True)
-                    torch.cuda.empty_cache()
-                    continue
-                print(f"| {tokens} | {world} | {partition} | {rank} | {tokens // world} | {fwd:.1f} | {total:.1f} | "
-                      f"{peak:.1f} | {reserved:.1f} |", flush=True)
+                for compressed in args.cp_compressed:
+                    rank = args.rank if args.rank is not None else (world - 1 if partition == "contiguous" else 0)
+                    head = f"| {tokens} | {world} | {partition} | {compressed} | {rank} | {tokens // world} |"
+                    try:
+                        fwd, total, peak, reserved = run_share(cfg, args.ratio, tokens, world, rank, partition,
+                                                               args.phase, args.reps, device, dtype, compressed)
+                    except torch.OutOfMemoryError:
+                        print(f"{head} OOM | OOM | - | - |", flush=True)
+                        torch.cuda.empty_cache()
+                        continue
+                    print(f"{head} {fwd:.1f} | {total:.1f} | {peak:.1f} | {reserved:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
