@@ -17,16 +17,16 @@ graphs per phase, in practice the few spans its data reaches.
 **Memory.** Every graph draws from one shared pool: they never run concurrently, and the training step reads
 what a replay returns (the losses, the gradients) before the next replay, which may overwrite it (so may any
 capture's intermediate tensors, such as a layer's ``indexer_loss`` attribute, which is cleared after capture). All
-graphs write the same gradient tensors: each zeroes the gradients of the parameters its phase trains, then its
-backward accumulates into them in place. Parameters no eager backward of the phase reaches get ``.grad = None``
-after its replay.
+graphs write the same gradient tensors: each zeroes the gradients of the parameters its step trains, then its
+backward accumulates into them in place. Parameters an eager backward of that step would not reach get
+``.grad = None`` after its replay.
 
 The first batch of each (phase, span) runs one eager step with the gradients set to None (it finds which
 parameters that step trains; their eager gradients are freed right after), then, when capturing, one eager step
 into the shared gradients (both on a side stream; they build the kernels and the pack's tables) before the capture
-records zeroing, forward, loss and backward. Clipping, the finite check and the optimizer step run eagerly after the replay
-(:func:`dsv4attn.train.step.train_step`). Autocast runs with its weight-cast cache off (a cached cast would be a
-tensor of the capture, stale at replay). One process only: the training job refuses ``--cuda-graphs`` with data,
+records zeroing, forward, loss and backward. Clipping, the finite check and the optimizer step run eagerly after
+the replay (:func:`dsv4attn.train.step.train_step`). Autocast runs with its weight-cast cache off (a cached cast
+would be a tensor of the capture, stale at replay). One process only: the training job refuses ``--cuda-graphs`` with data,
 context or tensor parallelism and FSDP.
 
 ``capture=False`` runs the same buffers, spans and gradient bookkeeping eagerly (what the CPU tests compare with a
