@@ -26,8 +26,8 @@ parameters that step trains; their eager gradients are freed right after), then,
 into the shared gradients (both on a side stream; they build the kernels and the pack's tables) before the capture
 records zeroing, forward, loss and backward. Clipping, the finite check and the optimizer step run eagerly after
 the replay (:func:`dsv4attn.train.step.train_step`). Autocast runs with its weight-cast cache off (a cached cast
-would be a tensor of the capture, stale at replay). One process only: the training job refuses ``--cuda-graphs`` with data,
-context or tensor parallelism and FSDP.
+would be a tensor of the capture, stale at replay). One process only: the training job refuses ``--cuda-graphs``
+with data, context or tensor parallelism and FSDP.
 
 ``capture=False`` runs the same buffers, spans and gradient bookkeeping eagerly (what the CPU tests compare with a
 plain run).
