@@ -122,6 +122,9 @@ def main() -> None:
     ap.add_argument("--H", type=int, nargs="+", default=[64])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--flashmla", default=None, help="folder made by get_flashmla.sh: FlashMLA in the same rounds")
+    ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                    help="these variants only (e.g. one per process under `timeout`: a variant that deadlocks then "
+                    "costs only its own run)")
     args = ap.parse_args()
     spec = runpy.run_path(args.variants)
     module_name = spec.get("MODULE", "dsv4attn.ops.sparse_attention.gluon_hopper")
@@ -130,8 +133,11 @@ def main() -> None:
     shipped = importlib.import_module(module_name)
     source = Path(shipped.__file__).read_text()
     folder = Path(tempfile.mkdtemp(prefix="kernel_variants_"))
+    unknown = sorted(set(args.only or ()) - set(spec["VARIANTS"]))
+    if unknown:
+        ap.error(f"--only: no variant {unknown} in {args.variants}; it has {sorted(spec['VARIANTS'])}")
     variants = {name: load_variant(module_name, name, patched_source(source, changes, name), folder)
-                for name, changes in spec["VARIANTS"].items()}
+                for name, changes in spec["VARIANTS"].items() if args.only is None or name in args.only}
 
     if args.build_only:
         import triton
