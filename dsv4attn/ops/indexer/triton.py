@@ -390,8 +390,9 @@ def indexer_topk_ranges_op(q: torch.Tensor, k: torch.Tensor, weights: torch.Tens
     """
     T = q.shape[0]
     out_width = min(topk, width)
-    out = torch.full((T, out_width), -1, dtype=torch.int32, device=q.device)
-    scores = torch.full((T, out_width), float("-inf"), dtype=torch.float32, device=q.device)
+    # Not filled: the select kernel writes every slot of every row (each chunk of rows is selected below).
+    out = torch.empty((T, out_width), dtype=torch.int32, device=q.device)
+    scores = torch.empty((T, out_width), dtype=torch.float32, device=q.device)
     if out_width == 0 or T == 0:
         return out, scores
     if q.dtype != k.dtype:       # the reference multiplies in fp32 then: both widen exactly

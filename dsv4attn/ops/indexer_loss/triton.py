@@ -519,7 +519,7 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     for s, e, idx, n_end in chunks:
         g_rows = rows_of("g", g_buf, s, e) if full or save_g else kl
         if scores_given:     # log2(e) I(j) where the kernel reads them; 0 at empty slots, as if never written
-            g_rows.copy_((scores[s:e].float() * 1.4426950408889634).masked_fill_(idx < 0, 0.0))
+            g_rows.copy_(scores[s:e]).mul_(1.4426950408889634).masked_fill_(idx < 0, 0.0)     # in place, no temporary
         mass_rows = rows_of("mass", mass, s, e) if full else kl
         _launch(_indexer_kl_fwd_kernel, e - s,
                 (qi[s:e], ki, w[s:e], qm[s:e], ckv, outside[s:e], idx, n_end, kl[s:e], full2[s:e], rowstat[s:e],
