@@ -14,7 +14,7 @@ more when given a prebuilt pack).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Callable, TypeVar
 
 import torch
@@ -77,16 +77,19 @@ class PackedBatch:
     row_doc_start: torch.Tensor     # (T,) int64 packed row where the row's document starts (T for padding)
     row_is_real: torch.Tensor       # (T,) bool, False for capacity padding
     num_real_rows: torch.Tensor     # () int64 = cu_seqlens[-1], kept on device (no sync)
-    # The cu_seqlens values read on the host by the validation (None where no value could be read): context
-    # parallelism digests them so that the ranks can agree on the batch without a second read.
-    host_cu_seqlens: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     # Context parallelism (pack_batch(..., cp_group=...)): the group and partition the ranks agreed on when the
     # pack was built; the layers then take both from here and run no agreement of their own.
     cp_group: object = field(default=None, repr=False, compare=False)
     cp_partition: str | None = None
     cp_compressed: str = "gather"   # how CSA layers reach other ranks' compressed main KV (pack_batch)
+    # The cu_seqlens values read on the host by the validation (None where no value could be read), kept as
+    # :attr:`host_cu_seqlens`: context parallelism digests them so that the ranks can agree on the batch without a
+    # second read. Not a field: torch.compile (torch 2.11) guards on every field of a dataclass handed to an
+    # autograd.Function, and a guard on these values recompiled the layer for every new set of boundaries.
+    host_values: InitVar[tuple[int, ...] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, host_values: tuple[int, ...] | None) -> None:
+        object.__setattr__(self, "_host_cu_seqlens", host_values)
         # Caches, built lazily: halo -> RowFrame, ratio -> CompressedLayout, id -> (tensor, equal). Attributes, not
         # dataclass fields: code that walks a dataclass's fields looking for tensors (FSDP2's hooks walk every
         # module's arguments) must not follow the frames' references back to this pack (a cycle), and a
@@ -94,6 +97,11 @@ class PackedBatch:
         object.__setattr__(self, "_frames", {})
         object.__setattr__(self, "_layouts", {})
         object.__setattr__(self, "_compared", {})
+
+    @property
+    def host_cu_seqlens(self) -> tuple[int, ...] | None:
+        """The ``cu_seqlens`` values the validation read on the host; None where none could be read."""
+        return self._host_cu_seqlens
 
     @property
     def num_docs(self) -> int:
@@ -161,7 +169,7 @@ class PackedBatch:
             for name in ("cu_compressed", "entry_doc", "entry_index", "entry_first_row", "entry_is_real",
                          "row_first_entry", "row_visible", "entry_position"):
                 getattr(kept, name).copy_(getattr(layout, name))
-        object.__setattr__(self, "host_cu_seqlens", other.host_cu_seqlens)
+        object.__setattr__(self, "_host_cu_seqlens", other.host_cu_seqlens)
         self._compared.clear()          # equalities remembered for the old boundaries
         return self
 
@@ -244,15 +252,16 @@ def pack_batch(cu_seqlens: torch.Tensor | None, total_rows: int, max_seqlen: int
 
     cu = cu_seqlens.long()
     rows = torch.arange(total_rows, device=cu.device)
-    # Document of row t: number of boundaries cu[b+1] <= t (right=True skips empty documents correctly).
-    row_doc = torch.searchsorted(cu[1:].contiguous(), rows, right=True)
+    # Document of row t: number of boundaries cu[b+1] <= t (right=True skips empty documents correctly), counted
+    # over all of cu (cu[0] = 0 <= t) minus one: inductor (torch 2.11) cannot lower a sliced boundaries tensor.
+    row_doc = torch.searchsorted(cu, rows, right=True) - 1
     row_is_real = rows < cu[-1]
     starts = torch.cat([cu[:-1], cu.new_full((1,), total_rows)])
     row_doc_start = starts[row_doc]
     row_position = torch.where(row_is_real, rows - row_doc_start, torch.zeros_like(rows))
     return PackedBatch(cu_seqlens=cu_seqlens, total_rows=total_rows, max_seqlen=max_seqlen, row_doc=row_doc,
                        row_position=row_position, row_doc_start=row_doc_start, row_is_real=row_is_real,
-                       num_real_rows=cu[-1], host_cu_seqlens=host_values)
+                       num_real_rows=cu[-1], host_values=host_values)
 
 
 def _indexed(device: torch.device) -> torch.device:
@@ -291,7 +300,7 @@ def _build_compressed_layout(pack: PackedBatch, ratio: int) -> CompressedLayout:
     cu_comp = torch.cat([cu.new_zeros(1), per_doc.cumsum(0)])
     capacity = compressed_capacity(pack.total_rows, n_docs, pack.max_seqlen, ratio)
     entries = torch.arange(capacity, device=cu.device)
-    entry_doc = torch.searchsorted(cu_comp[1:].contiguous(), entries, right=True)
+    entry_doc = torch.searchsorted(cu_comp, entries, right=True) - 1     # cu_comp[0] = 0: as row_doc in pack_batch
     entry_is_real = entries < cu_comp[-1]
     doc_safe = entry_doc.clamp(max=max(n_docs - 1, 0))
     entry_index = torch.where(entry_is_real, entries - cu_comp[doc_safe] if n_docs else entries,
