@@ -35,6 +35,7 @@ from __future__ import annotations
 gluon = gl = async_copy = mbarrier = tma = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
 TensorDescriptor = async_load = tma_load = thread_barrier = None
 program_row = mbarriers = slot_rows = gather_rows = copy_heads = store_heads = ring_gather = None
+reduction_layout = add_reduced = None
 
 try:  # any import problem (older or newer Triton) just disables the Gluon paths
     from triton.experimental import gluon
@@ -53,6 +54,12 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 
 # Heads per program of the attention kernels (the wgmma M of their products).
 BLOCK_H = 64
+
+
+def unpermute_reduced(acc):
+    """(N, D) rows accumulated by :func:`add_reduced` in its permuted column order, in the natural order (a copy)."""
+    N, D = acc.shape
+    return acc.view(N, D // 16, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(N, D)
 
 
 def sm90(device) -> tuple[bool, str]:
@@ -79,7 +86,36 @@ def half_precision(*tensors) -> tuple[bool, str]:
 
 
 if IMPORTED:
+    import triton
+
     BLOCK_H_C = gl.constexpr(BLOCK_H)
+
+    @triton.constexpr_function
+    def reduction_layout(block_n, chunk):
+        # A (block_n = 64 rows, chunk columns) fp32 tile laid out for reductions into global memory (add_reduced):
+        # each thread's four adjacent values in consecutive registers (one 16-byte reduction) and eight lanes on one
+        # row, so a warp's reductions cover whole 128-byte lines of four rows.
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]] + [[0, 32 << i] for i in range(chunk.bit_length() - 6)],
+            lane_bases=[[0, 4], [0, 8], [0, 16], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
+            shape=[block_n, chunk])
+
+    @gluon.jit
+    def add_reduced(acc, DST, rows, valid, col0):
+        # Adds the (64, CHUNK) fp32 wgmma accumulator ``acc`` (M = 64 rows of one warpgroup) to columns
+        # [col0, col0 + CHUNK) of the fp32 rows of DST at element offsets ``rows`` (int64), where ``valid`` (both
+        # in SliceLayout(1, reduction_layout) of acc's shape), with relaxed 16-byte reductions. Column
+        # 16a + 8b + 2q + e of the chunk lands at 16a + 4q + 2b + e, so that each thread's four values of a
+        # 16-column group are adjacent: unpermute_reduced restores the order once all reductions are done (the
+        # wgmma layout's pairs gave 8-byte reductions over half lines; the reductions are the backward kernels'
+        # largest cost).
+        BLOCK_N: gl.constexpr = acc.shape[0]
+        CHUNK: gl.constexpr = acc.shape[1]
+        layout: gl.constexpr = reduction_layout(BLOCK_N, CHUNK)
+        acc = gl.permute(gl.reshape(acc, [BLOCK_N, CHUNK // 16, 2, 4, 2]), [0, 1, 3, 2, 4])
+        acc = gl.convert_layout(gl.reshape(acc, [BLOCK_N, CHUNK]), layout)
+        cols = col0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+        gl.atomic_add(DST + rows[:, None] + cols[None, :], acc, mask=valid[:, None], sem="relaxed")
 
     @gluon.jit
     def program_row(H):

@@ -7,11 +7,13 @@ of one dtype, ``w (T, 64)`` fp32, ``idx (T, K)`` int32 (-1 = empty), ``n_end (T,
 qi's dtype) and ``dki[idx] += dx^T qi[t]`` (fp32 atomics, relaxed). For bf16/fp16 inputs dx enters both products as
 hi + lo parts in the input dtype (as ``SPLIT_DX`` in the Triton kernel: ~16 mantissa bits instead of 8).
 
-Layout: one program per query row, three warpgroups: a producer gathers BLOCK_N key rows per tile into a ring (qi
-resident); consumer W takes tiles W, W + 2, ... on its own: x (wgmma, M = 64 heads, N = BLOCK_N, K = 128), dx and
-its hi / lo parts to its shared-memory buffers, dq += dx ki (M = 64, N = 128, K = BLOCK_N) and dki^T = qi^T dx
-(M = 128 dims, N = BLOCK_N, K = 64 heads) added to dki; at the end consumer 1 hands its dq and dw partial sums to
-consumer 0 through shared memory, which stores the sums.
+Layout: one program per query row, three warpgroups: a producer gathers BLOCK_N = 64 key rows per tile into a ring
+(qi resident); consumer W takes tiles W, W + 2, ... on its own: x (wgmma, M = 64 heads, N = 64 slots, K = 128), dx
+and its hi / lo parts to its shared-memory buffers, dq += dx ki (M = 64 heads, N = 128, K = 64 slots) and the
+tile's dki rows dx^T qi (M = 64 slots, N = 128 dims, K = 64 heads), added to an fp32 accumulator with 16-byte
+reductions over whole 128-byte lines (``gluon_common.add_reduced``; its column permutation is undone after the
+kernel); at the end consumer 1 hands its dq and dw partial sums to consumer 0 through shared memory, which stores
+the sums.
 
 The default on SM90 (``BWD_CONFIG["GLUON"]``): about half the Triton kernel's time at the V4 shapes (BENCHMARKS.md,
 "Indexer KL loss"); the GPU tests check both against float64.
@@ -20,13 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from ..gluon_common import (IMPORTED, half_precision, sm90, async_copy, async_load, fence_async_shared, gather_rows, gl,
-                            gluon, mbarrier, mbarriers, warpgroup_mma)
+from ..gluon_common import (IMPORTED, add_reduced, async_copy, async_load, fence_async_shared, gather_rows, gl, gluon,
+                            half_precision, mbarrier, mbarriers, reduction_layout, sm90, unpermute_reduced,
+                            warpgroup_mma)
 
 HEADS, HEAD_DIM = 64, 128
-# BLOCK_N: key rows per tile; STAGES: ring depth (even: each consumer owns the stages of its parity); REGS: registers
-# per thread of the worker consumer and the producer.
-CONFIG = dict(BLOCK_N=32, STAGES=4, REGS=(216, 40))
+BLOCK_N = 64        # key rows per tile: the d index_k product's M (one warpgroup's wgmma has M = 64)
+# STAGES: ring depth (even: each consumer owns the stages of its parity); REGS: registers per thread of the worker
+# consumer and the producer.
+CONFIG = dict(STAGES=4, REGS=(216, 40))
 
 
 def check(qi: torch.Tensor, ki: torch.Tensor) -> tuple[bool, str]:
@@ -80,15 +84,15 @@ if IMPORTED:
                                                            instr_shape=[16, HEAD_DIM_C, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, x_layout)
         slot_layout: gl.constexpr = gl.SliceLayout(0, x_layout)
+        red_slots: gl.constexpr = gl.SliceLayout(1, reduction_layout(BLOCK_N, HEAD_DIM_C))
         heads = gl.arange(0, HEADS_C, layout=row_layout)
         w = gl.load(W_ + t * HEADS_C + heads)
         grad = gl.load(GRAD + t)
         x_zero = gl.zeros([HEADS_C, BLOCK_N], gl.float32, layout=x_layout)
-        dk_zero = gl.zeros([HEAD_DIM_C, BLOCK_N], gl.float32, layout=x_layout)
+        dk_zero = gl.zeros([BLOCK_N, HEAD_DIM_C], gl.float32, layout=q_layout)
         dq = gl.zeros([HEADS_C, HEAD_DIM_C], gl.float32, layout=q_layout)
         dw = gl.zeros([HEADS_C], gl.float32, layout=row_layout)
         nb = gl.cdiv(n_end, BLOCK_N)
-        dims = gl.arange(0, HEAD_DIM_C, layout=row_layout)
         for b in range(W, nb, 2):
             stage = b % STAGES
             z = (b + 1) // (nb + 1)                # 0: keeps the wgmma descriptors in the loop (attention forward)
@@ -96,6 +100,9 @@ if IMPORTED:
             idx = gl.load(IDX + t * K + n, mask=n < K, other=-1)
             valid = idx >= 0
             d = gl.load(G + t * K + n, mask=valid, other=0.0) * grad
+            # The same slots' rows in the reductions' layout (an L1 hit): dki's rows as element offsets.
+            n_red = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=red_slots)
+            idx_red = gl.load(IDX + t * K + n_red, mask=n_red < K, other=-1)
             mbarrier.wait(full.index(stage), (b // STAGES) & 1)
             fence_async_shared()
             keys = ring.index(stage + z)
@@ -108,14 +115,16 @@ if IMPORTED:
             if SPLIT:
                 dx_lo.index(W + z).store((dx - hi.to(gl.float32)).to(dx_lo.dtype))
             fence_async_shared()
+            # dki rows = dx^T qi: M = the tile's 64 slots, so that the result is whole dki rows (line-wide
+            # reductions; as (dims, slots) each warp's reductions were 4-byte pieces of eight rows).
             dq = warpgroup_mma(dx_hi.index(W + z), keys, dq)
-            dk = warpgroup_mma(qi_all.index(z).permute((1, 0)), dx_hi.index(W + z), dk_zero, use_acc=False)
+            dk = warpgroup_mma(dx_hi.index(W + z).permute((1, 0)), qi_all.index(z), dk_zero, use_acc=False)
             if SPLIT:
                 dq = warpgroup_mma(dx_lo.index(W + z), keys, dq)
-                dk = warpgroup_mma(qi_all.index(z).permute((1, 0)), dx_lo.index(W + z), dk)
+                dk = warpgroup_mma(dx_lo.index(W + z).permute((1, 0)), qi_all.index(z), dk)
             mbarrier.arrive(empty.index(stage))
-            rows = gl.where(valid, idx, 0).to(gl.int64) * HEAD_DIM_C
-            gl.atomic_add(DKI + rows[None, :] + dims[:, None], dk, mask=valid[None, :], sem="relaxed")
+            ok = idx_red >= 0
+            add_reduced(dk, DKI, gl.where(ok, idx_red, 0).to(gl.int64) * HEAD_DIM_C, ok, 0)
         # Consumer 1 hands its partial dq and dw over; consumer 0 adds them and stores.
         if W == 1:
             dq_part.store(dq)
@@ -167,10 +176,10 @@ def launch_bwd(qi, ki, w, idx, n_end, g, grad, dqi, dki, dw, split: bool, config
     if unknown:
         raise ValueError(f"Gluon KL backward config: unknown keys {unknown}; expected some of {sorted(CONFIG)}")
     cfg = dict(CONFIG, **(config or {}))
-    if cfg["BLOCK_N"] not in (16, 32, 64):      # rows gathered 16 at a time; wgmma N
-        raise ValueError(f"Gluon KL backward config: BLOCK_N must be 16, 32 or 64, got {cfg['BLOCK_N']}")
     if cfg["STAGES"] < 2 or cfg["STAGES"] % 2:
         raise ValueError(f"Gluon KL backward config: STAGES must be even and >= 2, got {cfg['STAGES']}")
+    acc = torch.zeros_like(dki)                 # d index_k with each 16-column group permuted (add_reduced)
     _indexer_kl_bwd_gluon[(qi.shape[0],)](
-        qi, ki, w, idx, n_end, g, grad, dqi, dki, dw, idx.shape[1],
-        BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], SPLIT=split, num_warps=4, REGS=tuple(cfg["REGS"]))
+        qi, ki, w, idx, n_end, g, grad, dqi, acc, dw, idx.shape[1],
+        BLOCK_N=BLOCK_N, STAGES=cfg["STAGES"], SPLIT=split, num_warps=4, REGS=tuple(cfg["REGS"]))
+    dki += unpermute_reduced(acc)

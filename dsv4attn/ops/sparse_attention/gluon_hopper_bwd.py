@@ -34,13 +34,11 @@ from __future__ import annotations
 import torch
 
 from .. import gluon_common
-from ..gluon_common import (BLOCK_H, IMPORTED, copy_heads, fence_async_shared, gl, gluon, mbarrier, mbarriers,
-                            program_row, ring_gather, store_heads, warpgroup_mma, warpgroup_mma_wait)
+from ..gluon_common import (BLOCK_H, IMPORTED, add_reduced, copy_heads, fence_async_shared, gl, gluon, mbarrier,
+                            mbarriers, program_row, reduction_layout, ring_gather, store_heads, unpermute_reduced,
+                            warpgroup_mma, warpgroup_mma_wait)
 from . import gluon_hopper
 from .gluon_hopper import LOG2E
-
-if IMPORTED:
-    import triton
 
 BLOCK_N = 64          # slots per tile: the dKV products need M = 64 slots per wgmma
 # REGS: registers per thread of the dKV warpgroup and of the producer (setmaxnreg); the softmax warpgroup gets
@@ -63,16 +61,6 @@ def available(q: torch.Tensor) -> bool:
 
 if IMPORTED:
     BLOCK_H_C = gl.constexpr(BLOCK_H)
-
-    @triton.constexpr_function
-    def _reduction_layout(block_n, chunk):
-        # The permuted (block_n = 64 slots, chunk columns) dKV tile of _bwd_dkv, laid out for the reductions: each
-        # thread's four adjacent values in consecutive registers (one 16-byte reduction) and eight lanes on one row
-        # (a warp's reduction covers whole 128-byte lines of four kv rows instead of half lines of eight).
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]] + [[0, 32 << i] for i in range(chunk.bit_length() - 6)],
-            lane_bases=[[0, 4], [0, 8], [0, 16], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]], block_bases=[],
-            shape=[block_n, chunk])
 
     @gluon.jit
     def _bwd_producer(Q, DO, KV, IDX, H, K, t, hb, q_smem, do_smem, ring, full, empty, D: gl.constexpr,
@@ -135,8 +123,7 @@ if IMPORTED:
                                                            instr_shape=[16, CHUNK, 16])
         dq = gl.zeros([BLOCK_H_C, HALF], gl.float32, layout=q_layout)
         c_zero = gl.zeros([BLOCK_N, CHUNK], gl.float32, layout=c_layout)
-        red_layout: gl.constexpr = _reduction_layout(BLOCK_N, CHUNK)
-        cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, red_layout))
+        red_layout: gl.constexpr = reduction_layout(BLOCK_N, CHUNK)
         row_base = t * K
         nb = gl.cdiv(K, BLOCK_N)
         for b in range(nb):
@@ -168,13 +155,9 @@ if IMPORTED:
                 else:
                     acc = warpgroup_mma_wait(0, deps=[acc])
                     mbarrier.arrive(pfree.index(buf))           # the last products have read P and dS
-                # Column 16a + 8b + 2q + e of the chunk is stored at 16a + 4q + 2b + e (the post-pass undoes it):
-                # each thread's four values of a 16-column group become adjacent, so each reduction is 16 bytes and a
-                # warp's cover whole 128-byte lines (the reductions are this kernel's largest cost: BENCHMARKS.md).
-                acc = gl.permute(gl.reshape(acc, [BLOCK_N, CHUNK // 16, 2, 4, 2]), [0, 1, 3, 2, 4])
-                acc = gl.convert_layout(gl.reshape(acc, [BLOCK_N, CHUNK]), red_layout)
-                gl.atomic_add(DKV + rows[:, None] + (c * CHUNK + cols)[None, :], acc, mask=valid[:, None],
-                              sem="relaxed")
+                # Whole 128-byte lines per warp, columns permuted (the post-pass undoes it): the reductions are this
+                # kernel's largest cost (BENCHMARKS.md).
+                add_reduced(acc, DKV, rows, valid, c * CHUNK)
                 if c + 1 < CHUNKS:
                     acc = nxt
         store_heads(dq, DQ, t, H, hb, HALF, ring.index(0).slice(HALF, HALF, dim=1), D)
@@ -223,6 +206,5 @@ def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None):
     _sparse_attn_bwd_gluon[(T * (H // BLOCK_H),)](
         q, do, kv, idx, denom2, delta, dq, acc, H, K, scale * LOG2E, scale,
         D=D, BLOCK_N=BLOCK_N, CHUNK=cfg["CHUNK"], num_warps=4, REGS=tuple(cfg["REGS"]))
-    N = dkv.shape[0]
-    dkv += acc.view(N, D // 16, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(N, D)
+    dkv += unpermute_reduced(acc)
 
