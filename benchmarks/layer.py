@@ -129,13 +129,13 @@ def run_case(layer, x, cu, doc, phase, device, record=False, pack=None):
     return fwd, total, peak, reserved, live, recorder.calls
 
 
-def profile_case(layer, x, cu, doc, phase, device, rows: int) -> None:
+def profile_case(layer, x, cu, doc, phase, device, rows: int, pack=None) -> None:
     """One forward + backward under torch.profiler; prints the ``rows`` entries with the most self device time, then
     the same grouped by input shapes (which tensor each copy, cast or elementwise pass touched)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, record_shapes=True) as prof:
-        run_case(layer, x, cu, doc, phase, device)
+        run_case(layer, x, cu, doc, phase, device, pack=pack)
     keys = ("self_device_time_total", "self_cuda_time_total") if device.type == "cuda" else ("self_cpu_time_total",)
     for key in keys:                           # the device key's name changed across PyTorch releases
         try:
@@ -286,6 +286,9 @@ def main() -> None:
                     fwd, total, peak, reserved, live, _ = run_case(compiled, x, cu, doc, phase, device, pack=pack)
                     print(f"| {T} | {doc} | {ratio} | {phase} (compiled) | {fwd:.1f} | {total:.1f} | {peak:.1f} | "
                           f"{reserved:.1f} | {live:.2f} |", flush=True)
+                    if args.profile:
+                        print(f"\nProfile of the compiled layer, ratio {ratio}, {phase}:", flush=True)
+                        profile_case(compiled, x, cu, doc, phase, device, args.profile, pack=pack)
                     del compiled, pack
             del layer
     if details:
