@@ -125,9 +125,13 @@ def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: boo
                 return sparse_attention_reference(q, kv, index_set, attn_sink, scale)
             # The kernels take (rows, K) tensors: materialise them one chunk of query rows at a time, so that a
             # wide set (every visible compressed entry of a long document) never becomes a (T, K) tensor.
-            parts = [sparse_attention_op(q[s:e], kv, index_set.rows(s, e).to(torch.int32), attn_sink, scale, None,
+            chunks = list(chunk_rows(q.shape[0], index_set.width, device=q.device)) or [(0, 0)]
+            # q whole, or split (its backward is one concatenation): a slice q[s:e] costs its backward a zero-filled
+            # copy of the whole of q per chunk, 2 GiB each at T = 32K with 64 heads of 512, even for q[0:T].
+            pieces = [q] if len(chunks) == 1 else q.split([e - s for s, e in chunks])
+            parts = [sparse_attention_op(piece, kv, index_set.rows(s, e).to(torch.int32), attn_sink, scale, None,
                                          deterministic, impl)
-                     for s, e in chunk_rows(q.shape[0], index_set.width, device=q.device)]
+                     for piece, (s, e) in zip(pieces, chunks)]
             if len(parts) == 1:
                 return parts[0]
             return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
