@@ -43,3 +43,22 @@ def test_no_whole_activation_slice_in_the_backward(ratio, phase, budget, monkeyp
     rows = bench.count("tiny", T, ratio, phase)
     assert any(direction == "backward" for direction, *_ in rows)
     assert not [name for _, name, *_ in rows if name == "aten.slice_backward.default"]
+
+
+@pytest.mark.parametrize("ratio", (0, 4, 128))
+def test_sparse_step_moves_no_whole_activation_outside_the_kernels(ratio):
+    """In the sparse phase (one chunk of query rows) only matmuls and our kernels write tensors of the (T, H, D)
+    attention activations' size: no copy, cast, concatenation or zero fill of q, out or their gradients."""
+    c = dsv4attn.AttentionConfig.tiny()
+    whole = T * c.num_attention_heads * c.head_dim
+    rows = bench.count("tiny", T, ratio, "sparse")
+    extra = [(direction, name, shape) for direction, name, shape, _, _, flop in rows
+             if bench.kind(name, flop) == "other" and shape and _numel(shape) >= whole]
+    assert not extra
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
