@@ -5,13 +5,16 @@ matmul's FLOPs, without running a kernel.
 
 The layer runs on fake tensors (``FakeTensorMode``: shapes and dtypes, no storage) with the Triton backend forced,
 so the ops take the CUDA path's dispatch (our kernels as opaque custom ops, their fake kernels run) and the CUDA
-chunk budgets (``index_sets.CHUNK_BUDGET``). The CSA layer's warm-up phase cannot be counted: its KL runs the lazy
-candidate sets through an autograd Function that launches kernels directly. A dispatch mode logs each op with the bytes of its tensor inputs and
-outputs; views, allocations and metadata ops move nothing and are left out. Classes:
+chunk budgets (``index_sets.CHUNK_BUDGET``). The CSA layer's warm-up phase cannot be counted (its KL runs the lazy
+candidate sets through an autograd Function that launches kernels directly) and is skipped. A dispatch mode logs
+each op with the bytes of its tensor inputs and outputs; views, allocations and metadata ops move nothing and are
+left out. Classes:
 
 - *matmul*: ``mm`` / ``bmm`` / ``addmm``: FLOPs, and the time at the measured bf16 matmul peak (``--peak``);
-- *ours*: the registered ``dsv4attn::`` ops (attention, indexer, KL, compressor, RoPE): bytes of their arguments only
-  (their own work is in their benchmarks);
+- *rope*: our q-norm + RoPE and RoPE ops (``dsv4attn::qnorm_rope``, ``rope_rotate`` and their backwards),
+  elementwise passes: bytes, and the time at ``--bandwidth``;
+- *ours*: our other registered ops (attention, indexer, KL, compressor): bytes of their arguments only (their own
+  work is in their benchmarks);
 - *other*: everything else (norms, casts, concatenations, gradient sums): bytes, and the time at ``--bandwidth``.
 
 The "other" ops are counted as dispatched for a CPU tensor where PyTorch's CUDA path differs (``F.rms_norm`` is one
@@ -29,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import dsv4attn
+from dsv4attn import backend
 from dsv4attn.ops import index_sets
 
 MATMULS = {"aten.mm.default", "aten.mm.out", "aten.bmm.default", "aten.bmm.out", "aten.addmm.default"}
@@ -69,7 +73,11 @@ class OpLog(TorchDispatchMode):
 
 
 def kind(name: str, flop: int) -> str:
-    return "matmul" if flop else ("ours" if name.startswith("dsv4attn") else "other")
+    if flop:
+        return "matmul"
+    if name.startswith("dsv4attn"):
+        return "rope" if "rope" in name else "ours"
+    return "other"
 
 
 def count(preset: str, rows: int, ratio: int, phase: str) -> list[tuple]:
@@ -82,7 +90,9 @@ def count(preset: str, rows: int, ratio: int, phase: str) -> list[tuple]:
     pack = dsv4attn.pack_batch(torch.tensor([0, rows], dtype=torch.int32), rows, max_seqlen=rows)
     if ratio:
         pack.compressed(ratio)                  # built from real values, outside the fake mode
-    log, saved = OpLog(), dict(index_sets.CHUNK_BUDGET)
+    if (ratio, phase) == (4, "warmup"):
+        raise ValueError("the CSA layer's warm-up phase cannot be counted on fake tensors (module docstring)")
+    log, saved, forced = OpLog(), dict(index_sets.CHUNK_BUDGET), backend.forced()
     index_sets.CHUNK_BUDGET["cpu"] = index_sets.CHUNK_BUDGET["cuda"]
     dsv4attn.set_backend("triton")
     try:
@@ -94,7 +104,7 @@ def count(preset: str, rows: int, ratio: int, phase: str) -> list[tuple]:
                 log.direction = "backward"
                 y.backward(grad)
     finally:
-        dsv4attn.set_backend(None)
+        dsv4attn.set_backend(forced)
         index_sets.CHUNK_BUDGET.update(saved)
     return log.rows
 
@@ -118,6 +128,9 @@ def main() -> None:
     heavy = []
     for rows in args.rows:
         for ratio in args.ratios:
+            if (ratio, args.phase) == (4, "warmup"):
+                print(f"| {rows} | {ratio} | - | not countable (module docstring) | | | | |")
+                continue
             totals = defaultdict(lambda: [0, 0, 0])
             for direction, name, shape, read, written, flop in count(args.preset, rows, ratio, args.phase):
                 k = kind(name, flop)

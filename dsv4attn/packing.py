@@ -85,11 +85,13 @@ class PackedBatch:
     # The cu_seqlens values read on the host by the validation (None where no value could be read), kept as
     # :attr:`host_cu_seqlens`: context parallelism digests them so that the ranks can agree on the batch without a
     # second read. Not a field: torch.compile (torch 2.11) guards on every field of a dataclass handed to an
-    # autograd.Function, and a guard on these values recompiled the layer for every new set of boundaries.
+    # autograd.Function, and a guard on these values recompiled the layer for every new set of boundaries. Stored
+    # under the init variable's own name, so that ``dataclasses.replace`` (as FSDP2's input casts call it) keeps
+    # them.
     host_values: InitVar[tuple[int, ...] | None] = None
 
     def __post_init__(self, host_values: tuple[int, ...] | None) -> None:
-        object.__setattr__(self, "_host_cu_seqlens", host_values)
+        object.__setattr__(self, "host_values", host_values)
         # Caches, built lazily: halo -> RowFrame, ratio -> CompressedLayout, id -> (tensor, equal). Attributes, not
         # dataclass fields: code that walks a dataclass's fields looking for tensors (FSDP2's hooks walk every
         # module's arguments) must not follow the frames' references back to this pack (a cycle), and a
@@ -101,7 +103,7 @@ class PackedBatch:
     @property
     def host_cu_seqlens(self) -> tuple[int, ...] | None:
         """The ``cu_seqlens`` values the validation read on the host; None where none could be read."""
-        return self._host_cu_seqlens
+        return self.host_values
 
     @property
     def num_docs(self) -> int:
@@ -169,7 +171,7 @@ class PackedBatch:
             for name in ("cu_compressed", "entry_doc", "entry_index", "entry_first_row", "entry_is_real",
                          "row_first_entry", "row_visible", "entry_position"):
                 getattr(kept, name).copy_(getattr(layout, name))
-        object.__setattr__(self, "_host_cu_seqlens", other.host_cu_seqlens)
+        object.__setattr__(self, "host_values", other.host_cu_seqlens)
         self._compared.clear()          # equalities remembered for the old boundaries
         return self
 

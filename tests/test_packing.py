@@ -260,3 +260,18 @@ def test_copy_refuses_other_shapes_and_changes_nothing(case):
         static.copy_(other)
     for name, value in kept.items():
         assert torch.equal(getattr(static, name), value), name
+
+
+def test_host_values_survive_dataclass_copies():
+    """The validated cu_seqlens values are not a dataclass field (compile guards), yet ``dataclasses.replace`` and
+    FSDP2's input casts (``torch.distributed.utils._apply_to_tensors``, which rebuilds dataclass arguments) keep
+    them: context parallelism's agreement digests them."""
+    import dataclasses
+
+    from torch.distributed.utils import _apply_to_tensors
+
+    pack = dsv4attn.pack_batch(torch.tensor([0, 5, 5, 12], dtype=torch.int32), 16)
+    assert pack.host_cu_seqlens == (0, 5, 5, 12)
+    assert "host_values" not in {f.name for f in dataclasses.fields(pack)}
+    assert dataclasses.replace(pack, cp_partition="contiguous").host_cu_seqlens == (0, 5, 5, 12)
+    assert _apply_to_tensors(lambda t: t, pack).host_cu_seqlens == (0, 5, 5, 12)

@@ -56,10 +56,11 @@ except Exception:  # pragma: no cover - depends on the installed Triton
 BLOCK_H = 64
 
 
-def unpermute_reduced(acc):
-    """(N, D) rows accumulated by :func:`add_reduced` in its permuted column order, in the natural order (a copy)."""
+def add_unpermuted(dst, acc) -> None:
+    """``dst += acc`` for (N, D) rows ``acc`` accumulated by :func:`add_reduced` in its permuted column order (column
+    16a + 4q + 2b + e of ``acc`` is column 16a + 8b + 2q + e of ``dst``), without a copy of ``acc``."""
     N, D = acc.shape
-    return acc.view(N, D // 16, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(N, D)
+    dst.view(N, D // 16, 2, 4, 2).add_(acc.view(N, D // 16, 4, 2, 2).permute(0, 1, 3, 2, 4))
 
 
 def sm90(device) -> tuple[bool, str]:
@@ -106,7 +107,7 @@ if IMPORTED:
         # [col0, col0 + CHUNK) of the fp32 rows of DST at element offsets ``rows`` (int64), where ``valid`` (both
         # in SliceLayout(1, reduction_layout) of acc's shape), with relaxed 16-byte reductions. Column
         # 16a + 8b + 2q + e of the chunk lands at 16a + 4q + 2b + e, so that each thread's four values of a
-        # 16-column group are adjacent: unpermute_reduced restores the order once all reductions are done (the
+        # 16-column group are adjacent: add_unpermuted adds them in the natural order once all reductions are done (the
         # wgmma layout's pairs gave 8-byte reductions over half lines; the reductions are the backward kernels'
         # largest cost).
         BLOCK_N: gl.constexpr = acc.shape[0]

@@ -72,8 +72,7 @@ def agreed_pack(cu_seqlens, total_rows: int, max_seqlen, device, cp_group, cp_pa
         raise                                   # this rank's own error (bare: see _agree)
     _agree(group, pack, partition, total_rows // world, None, None, None, False, pack.device, cp_compressed)
     # A new pack starts with empty caches: frames hold this group's segments, never a single-device pack's.
-    return dataclasses.replace(pack, cp_group=group, cp_partition=partition, cp_compressed=cp_compressed,
-                               host_values=pack.host_cu_seqlens)
+    return dataclasses.replace(pack, cp_group=group, cp_partition=partition, cp_compressed=cp_compressed)
 
 
 def _agree(group, pack, partition, rows, phase, compress_ratio, halo, failed: bool, device,

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..gluon_common import (IMPORTED, add_reduced, async_copy, async_load, fence_async_shared, gather_rows, gl, gluon,
-                            half_precision, mbarrier, mbarriers, reduction_layout, sm90, unpermute_reduced,
+from ..gluon_common import (IMPORTED, add_reduced, add_unpermuted, async_copy, async_load, fence_async_shared,
+                            gather_rows, gl, gluon, half_precision, mbarrier, mbarriers, reduction_layout, sm90,
                             warpgroup_mma)
 
 HEADS, HEAD_DIM = 64, 128
@@ -182,4 +182,4 @@ def launch_bwd(qi, ki, w, idx, n_end, g, grad, dqi, dki, dw, split: bool, config
     _indexer_kl_bwd_gluon[(qi.shape[0],)](
         qi, ki, w, idx, n_end, g, grad, dqi, acc, dw, idx.shape[1],
         BLOCK_N=BLOCK_N, STAGES=cfg["STAGES"], SPLIT=split, num_warps=4, REGS=tuple(cfg["REGS"]))
-    dki += unpermute_reduced(acc)
+    add_unpermuted(dki, acc)

@@ -34,9 +34,9 @@ from __future__ import annotations
 import torch
 
 from .. import gluon_common
-from ..gluon_common import (BLOCK_H, IMPORTED, add_reduced, copy_heads, fence_async_shared, gl, gluon, mbarrier,
-                            mbarriers, program_row, reduction_layout, ring_gather, store_heads, unpermute_reduced,
-                            warpgroup_mma, warpgroup_mma_wait)
+from ..gluon_common import (BLOCK_H, IMPORTED, add_reduced, add_unpermuted, copy_heads, fence_async_shared, gl, gluon,
+                            mbarrier, mbarriers, program_row, reduction_layout, ring_gather, store_heads, warpgroup_mma,
+                            warpgroup_mma_wait)
 from . import gluon_hopper
 from .gluon_hopper import LOG2E
 
@@ -206,5 +206,5 @@ def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None):
     _sparse_attn_bwd_gluon[(T * (H // BLOCK_H),)](
         q, do, kv, idx, denom2, delta, dq, acc, H, K, scale * LOG2E, scale,
         D=D, BLOCK_N=BLOCK_N, CHUNK=cfg["CHUNK"], num_warps=4, REGS=tuple(cfg["REGS"]))
-    dkv += unpermute_reduced(acc)
+    add_unpermuted(dkv, acc)
 
