@@ -10,7 +10,9 @@ collection): anything but the inputs there means the previous case leaked. ``doc
 
 ``--breakdown`` records the arguments of every op call the timed step makes (compressor pooling, indexer top-k,
 sparse attention, indexer KL) and replays each call on its own, forward and forward + backward, median of 3.
-"rest" is the layer's forward + backward minus those ops: the projections, norms, RoPE and the output projection.
+"q-norm + RoPE, inverse RoPE" are the elementwise passes over the (T, H, D) queries and attention output. "rest" is
+the layer's forward + backward minus those ops: the projections, norms, the kv and compressed RoPE and the output
+projection.
 ``--profile N`` runs one more forward + backward of each case under ``torch.profiler`` and prints the N kernels
 (or, on the CPU, operators) with the most self time: what "rest" is made of.
 
@@ -40,7 +42,9 @@ from dsv4attn.layers import compressor as compressor_module
 
 # (module, name, label): the op entry points the layer calls.
 OPS = ((compressor_module, "compress_pool", "compressor pool"), (attention_module, "indexer_topk", "indexer top-k"),
-       (attention_module, "sparse_attention", "attention"), (attention_module, "indexer_kl", "indexer KL"))
+       (attention_module, "sparse_attention", "attention"), (attention_module, "indexer_kl", "indexer KL"),
+       (attention_module, "qnorm_rope", "q-norm + RoPE, inverse RoPE"),
+       (attention_module, "inverse_rope", "q-norm + RoPE, inverse RoPE"))
 
 
 class OpRecorder:
@@ -293,8 +297,9 @@ def main() -> None:
             del layer
     if details:
         print("\nPer-op breakdown (each op call replayed alone; ms forward / forward+backward)")
-        labels = ["compressor pool", "indexer top-k", "attention", "indexer KL", "indexer KL (window LSE)"]
-        print("| T | ratio | phase | " + " | ".join(labels) + " | rest (proj, norms, RoPE, output) | layer |")
+        labels = ["compressor pool", "indexer top-k", "attention", "indexer KL", "indexer KL (window LSE)",
+                  "q-norm + RoPE, inverse RoPE"]
+        print("| T | ratio | phase | " + " | ".join(labels) + " | rest (proj, norms, kv RoPE, output) | layer |")
         print("|---|---|---|" + "---|" * (len(labels) + 2))
         for T, ratio, phase, fwd, total, parts, _ in details:
             cells = [f"{parts[k][0]:.1f} / {parts[k][1]:.1f}" if k in parts else "-" for k in labels]
