@@ -63,7 +63,7 @@ class Window(IndexSet):
         row = torch.arange(start, end, device=self._start.device)
         idx = self._start[start:end, None] + torch.arange(self.width, device=row.device)
         valid = (idx <= row[:, None]) & self.pack.row_is_real[start:end, None]
-        return torch.where(valid, idx, torch.full_like(idx, -1))
+        return torch.where(valid, idx, -1)
 
 
 class VisibleCompressed(IndexSet):
@@ -73,11 +73,11 @@ class VisibleCompressed(IndexSet):
         self.bound = layout.capacity + offset          # real entries only, all below the capacity
 
     def rows(self, start: int, end: int) -> torch.Tensor:
+        # Two passes over the (rows, width) result: these sets are the widest (max_seqlen / r slots per row).
         lay = self.layout
         j = torch.arange(self.width, device=lay.row_first_entry.device)
-        idx = lay.row_first_entry[start:end, None] + j + self.offset
         valid = j[None, :] < lay.row_visible[start:end, None]
-        return torch.where(valid, idx, torch.full_like(idx, -1))
+        return torch.where(valid, lay.row_first_entry[start:end, None] + (j + self.offset), -1)
 
 
 class Rows(IndexSet):
@@ -96,9 +96,10 @@ class Rows(IndexSet):
 
     def rows(self, start: int, end: int) -> torch.Tensor:
         idx = self.base.rows(start + self.row_offset, end + self.row_offset)
-        valid = idx >= 0
-        mapped = idx if self.table is None else self.table[idx.clamp(min=0)]
-        return torch.where(valid, mapped + self.shift, torch.full_like(idx, -1))
+        if self.table is None and self.shift == 0:         # one device: the local rows are the global ones
+            return idx
+        mapped = idx if self.table is None else self.table[idx.clamp(min=0)].long()
+        return torch.where(idx >= 0, mapped + self.shift if self.shift else mapped, -1)
 
 
 class Concat(IndexSet):
