@@ -22,6 +22,7 @@ import tempfile
 import time
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -231,3 +232,76 @@ def test_fsdp2_per_layer_equals_one_process_and_keeps_fp32_params():
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
         run_ranks(_worker, world, tmp, deadline_s=240)
+
+
+# ------------------------------------------------------------------------------------- CUDA: NCCL, the kernels
+def _gpu_worker(rank, world, init_file, result_dir):
+    """FSDP2 on CUDA (NCCL, one GPU per rank, the Triton / Gluon kernels): float32 parameters and activations, so
+    that the sharded run and one process on this rank's GPU differ only by the summation order of the gradient
+    reduction. Three AdamW steps (dense, warm-up, sparse), rank r on batch r; then a bf16 MixedPrecisionPolicy model
+    trains a step with its sinks and positional biases reaching the forward in fp32."""
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        from dsv4attn.parallel.fsdp import fp32_parameters, shard_model
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        device = torch.device("cuda", rank)
+        cu = CU.to(device)
+
+        def loss_of(model, r, phase):
+            tokens, targets = (t.to(device) for t in _batch(r))
+            return lm_loss(model(tokens, cu, MAX_SEQLEN, phase), targets, T)
+
+        ref, sharded = _model(torch.float32).to(device), _model(torch.float32).to(device)
+        shard_model(sharded, units=sharded.blocks)
+        opt_ref, opt = _optimizer(ref), _optimizer(sharded)
+        tol = dict(rtol=1e-4, atol=1e-6)
+        for phase in ("dense", "warmup", "sparse"):
+            losses = []
+            for r in range(world):
+                loss = loss_of(ref, r, phase)
+                loss.backward()
+                losses.append(loss.detach())
+            for p in ref.parameters():
+                p.grad /= world
+            loss = loss_of(sharded, rank, phase)
+            loss.backward()
+            got = loss.detach().clone()
+            dist.all_reduce(got)
+            torch.testing.assert_close(got / world, torch.stack(losses).mean(), **tol)
+            want = dict(ref.named_parameters())
+            for name, p in sharded.named_parameters():
+                torch.testing.assert_close(p.grad.full_tensor(), want[name].grad, **tol,
+                                           msg=lambda m: f"{phase} rank {rank} grad {name}: {m}")
+            for o in (opt_ref, opt):
+                o.step()
+                o.zero_grad(set_to_none=True)
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mixed = shard_model(_model(torch.float32).to(device), mp_policy=bf16)
+        kept, seen = set(fp32_parameters(mixed)), {}
+        for prefix, m in mixed.named_modules():
+            def hook(module, args, prefix=prefix):
+                for name, p in module.named_parameters(recurse=False):
+                    seen[f"{prefix}.{name}" if prefix else name] = p.dtype
+            m.register_forward_pre_hook(hook)
+        loss = loss_of(mixed, rank, "sparse")
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert all(dtype == (torch.float32 if name in kept else torch.bfloat16) for name, dtype in seen.items())
+        assert all(p.grad is not None and p.dtype == torch.float32 for p in mixed.parameters())
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            f.write("ok")
+        dist.destroy_process_group()
+    except Exception:
+        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
+            f.write("error\n" + traceback.format_exc())
+        raise
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs CUDA GPUs and NCCL")
+def test_gpu_fsdp2_equals_one_process():
+    """As the CPU test, on every GPU of the machine (up to 2; one GPU still shards through NCCL, world size 1)."""
+    world = min(2, torch.cuda.device_count())
+    with tempfile.TemporaryDirectory() as tmp:
+        run_ranks(_gpu_worker, world, tmp, deadline_s=300)
