@@ -67,6 +67,39 @@ def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
+def _step_equals_one_process(ref, sharded, opts, loss_of, world, rank, phase, tol, where, params_after):
+    """One step of ``phase``: ``sharded`` on rank ``rank``'s batch against ``ref`` (one process) on every rank's
+    batch with its gradients averaged: the loss, every gradient (an idle indexer's exactly zero), then both
+    optimizers step; ``params_after``: every parameter after the step equal too."""
+    losses = []
+    for r in range(world):                  # the indexer loss feeds gradient 1 per forward
+        loss = loss_of(ref, r, phase)
+        loss.backward()
+        losses.append(loss.detach())
+    for p in ref.parameters():
+        p.grad /= world
+    loss = loss_of(sharded, rank, phase)
+    loss.backward()
+    got_loss = loss.detach().clone()
+    dist.all_reduce(got_loss)
+    torch.testing.assert_close(got_loss / world, torch.stack(losses).mean(), **tol,
+                               msg=lambda m: f"{where} loss: {m}")
+    want = dict(ref.named_parameters())
+    for name, p in sharded.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), want[name].grad, **tol,
+                                   msg=lambda m: f"{where} grad {name}: {m}")
+        if phase == "dense" and ".indexer." in name:
+            assert not p.grad.full_tensor().any(), f"{where}: idle indexer {name} got a gradient"
+    for o in opts:
+        o.step()
+        o.zero_grad(set_to_none=True)
+    if params_after:
+        for name, p in sharded.named_parameters():
+            assert p.dtype == want[name].dtype, name
+            torch.testing.assert_close(p.full_tensor(), want[name].detach(), **tol,
+                                       msg=lambda m: f"{where} parameter {name} after the step: {m}")
+
+
 def _check_equals_one_process(world, rank, fp32_kept=False):
     from dsv4attn.parallel.fsdp import full_optimizer_state_dict, full_state_dict, shard_model
     from torch.distributed.fsdp import FSDPModule
@@ -80,35 +113,8 @@ def _check_equals_one_process(world, rank, fp32_kept=False):
     tol = dict(rtol=1e-10, atol=1e-12)
     # The split layers: the idle indexer (dense) and every module running (sparse) are enough (test time).
     for phase in ("dense", "sparse") if fp32_kept else ("dense", "warmup", "sparse"):
-        # One process: every replica's batch, gradients averaged (the indexer loss feeds gradient 1 per forward).
-        losses = []
-        for r in range(world):
-            loss = _loss(ref, r, phase)
-            loss.backward()
-            losses.append(loss.detach())
-        for p in ref.parameters():
-            p.grad /= world
-        want_loss = torch.stack(losses).mean()
-        loss = _loss(sharded, rank, phase)
-        loss.backward()
-        got_loss = loss.detach().clone()
-        dist.all_reduce(got_loss)
-        where = f"{phase} rank {rank}{' fp32 kept' if fp32_kept else ''}"
-        torch.testing.assert_close(got_loss / world, want_loss, **tol, msg=lambda m: f"{where} loss: {m}")
-        want = dict(ref.named_parameters())
-        for name, p in sharded.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), want[name].grad, **tol,
-                                       msg=lambda m: f"{where} grad {name}: {m}")
-            if phase == "dense" and ".indexer." in name:
-                assert not p.grad.full_tensor().any(), f"{where}: idle indexer {name} got a gradient"
-        opt_ref.step()
-        opt.step()
-        opt_ref.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
-        for name, p in sharded.named_parameters():
-            assert p.dtype == want[name].dtype, name
-            torch.testing.assert_close(p.full_tensor(), want[name].detach(), **tol,
-                                       msg=lambda m: f"{where} parameter {name} after the step: {m}")
+        _step_equals_one_process(ref, sharded, (opt_ref, opt), _loss, world, rank, phase, tol,
+                                 f"{phase} rank {rank}{' fp32 kept' if fp32_kept else ''}", params_after=True)
     # The gathered state dicts are the unsharded ones (same keys, order, shapes, dtypes; values to rounding).
     full, own = full_state_dict(sharded), ref.state_dict()
     assert list(full) == list(own)
@@ -256,27 +262,11 @@ def _gpu_worker(rank, world, init_file, result_dir):
         ref, sharded = _model(torch.float32).to(device), _model(torch.float32).to(device)
         shard_model(sharded, units=sharded.blocks)
         opt_ref, opt = _optimizer(ref), _optimizer(sharded)
-        tol = dict(rtol=1e-4, atol=1e-6)
+        # Parameters after the steps are not compared here: the float atomics' order varies the gradients in their
+        # last bits, and AdamW turns such a difference on a near-zero gradient into up to one learning rate.
         for phase in ("dense", "warmup", "sparse"):
-            losses = []
-            for r in range(world):
-                loss = loss_of(ref, r, phase)
-                loss.backward()
-                losses.append(loss.detach())
-            for p in ref.parameters():
-                p.grad /= world
-            loss = loss_of(sharded, rank, phase)
-            loss.backward()
-            got = loss.detach().clone()
-            dist.all_reduce(got)
-            torch.testing.assert_close(got / world, torch.stack(losses).mean(), **tol)
-            want = dict(ref.named_parameters())
-            for name, p in sharded.named_parameters():
-                torch.testing.assert_close(p.grad.full_tensor(), want[name].grad, **tol,
-                                           msg=lambda m: f"{phase} rank {rank} grad {name}: {m}")
-            for o in (opt_ref, opt):
-                o.step()
-                o.zero_grad(set_to_none=True)
+            _step_equals_one_process(ref, sharded, (opt_ref, opt), loss_of, world, rank, phase,
+                                     dict(rtol=1e-4, atol=1e-6), f"{phase} rank {rank}", params_after=False)
         bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         mixed = shard_model(_model(torch.float32).to(device), mp_policy=bf16)
         kept, seen = set(fp32_parameters(mixed)), {}
