@@ -9,7 +9,8 @@ run; once measured, the figures go to BENCHMARKS.md and a variant either becomes
 
 - ``MODULE``: the module to vary, e.g. ``"dsv4attn.ops.sparse_attention.gluon_hopper"`` (the default);
 - ``VARIANTS``: ``{name: [(old, new), ...]}``; each ``old`` must occur exactly once in the module's source;
-- optionally ``KERNEL`` (the jit function to build offline, default ``"_sparse_attn_fwd_gluon"``) and
+- optionally ``KERNEL`` (the jit function to build offline, default ``"_sparse_attn_fwd_gluon"``),
+  ``BUILD_SIGNATURE`` (the types of arguments the variant's kernel adds, e.g. ``{"NUM_ITEMS": "i32"}``) and
   ``call(module, inputs)`` / ``inputs(T, H, device)`` for another kernel than the attention forward (the default
   calls ``module.launch_fwd`` on ``benchmarks/sparse_attention.py``'s inputs and returns (out, lse)).
 
@@ -102,12 +103,15 @@ def default_call(module, inp):
     return out, lse
 
 
-def build_row(module, kernel_name: str) -> str:
+def build_row(module, kernel_name: str, new_arguments: dict | None = None) -> str:
     sys.path.insert(0, str(ROOT))
     from tests.ops.test_gluon_builds import compile_sm90, gluon_kernels
     shipped = {fn.__name__: (sig, consts) for _, fn, sig, consts in gluon_kernels()}
     fn = getattr(module, kernel_name)
     signature, constexprs = shipped[kernel_name]
+    if new_arguments:       # in the kernel's argument order (its source's names)
+        signature = dict(signature, **new_arguments)
+        signature = {name: signature[name] for name in fn.arg_names if name in signature}
     kernel = compile_sm90(fn, signature, constexprs)
     ptx = kernel.asm["ptx"]
     counts = [len(re.findall(pattern, ptx)) for pattern in PTX_COUNTS.values()]
@@ -146,7 +150,8 @@ def main() -> None:
         print("|---" * (4 + len(PTX_COUNTS)) + "|")
         for name, module in [("shipped", shipped)] + list(variants.items()):
             try:
-                print(f"| {name} " + build_row(module, kernel_name), flush=True)
+                extra = spec.get("BUILD_SIGNATURE") if module is not shipped else None
+                print(f"| {name} " + build_row(module, kernel_name, extra), flush=True)
             except Exception as exc:               # one variant's failure does not stop the others
                 print(f"| {name} | build failed: {type(exc).__name__}: {str(exc)[-300:]} |", flush=True)
         return

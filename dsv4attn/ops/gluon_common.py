@@ -34,7 +34,7 @@ from __future__ import annotations
 # Bound whether or not Gluon imports, so that the kernel modules' imports of them always work.
 gluon = gl = async_copy = mbarrier = tma = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
 TensorDescriptor = async_load = tma_load = thread_barrier = None
-program_row = mbarriers = slot_rows = gather_rows = copy_heads = store_heads = ring_gather = None
+program_row = row_blocks = mbarriers = slot_rows = gather_rows = copy_heads = store_heads = ring_gather = None
 reduction_layout = add_reduced = None
 
 try:  # any import problem (older or newer Triton) just disables the Gluon paths
@@ -119,6 +119,13 @@ if IMPORTED:
         gl.atomic_add(DST + rows[:, None] + cols[None, :], acc, mask=valid[:, None], sem="relaxed")
 
     @gluon.jit
+    def row_blocks(NEND, t, BLOCK_N: gl.constexpr):
+        # Blocks of BLOCK_N slots that row t's kernels process: up to its last valid slot (NEND[t], from
+        # index_sets.row_ends), at least one (a row without a valid slot runs one all-empty block, which gives its
+        # zero output / gradients through the kernels' ordinary masking).
+        return gl.maximum(gl.cdiv(gl.load(NEND + t), BLOCK_N), 1)
+
+    @gluon.jit
     def program_row(H):
         # (query row t as int64, head block hb) of this program: one program per (row, 64-head block).
         pid = gl.program_id(0)
@@ -169,11 +176,12 @@ if IMPORTED:
         async_load(x_smem, X + t * H * D + heads.to(gl.int64)[:, None] * D + cols[None, :])
 
     @gluon.jit
-    def ring_gather(KV, IDX, K, t, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
+    def ring_gather(KV, IDX, K, nb, t, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr):
-        # The producers' loop (attention forward, teacher mass, backward dKV): every block's rows into ring stage
-        # b % STAGES once the consumers have released it (empty[stage]); each thread's cp.async completions arrive
-        # on full[stage] (count 128; the first arrival also covers copies committed before the loop, e.g. q).
+        # The producers' loop (attention forward, teacher mass, backward dKV): the rows of blocks 0 .. nb - 1 of row
+        # t's K slots, each into ring stage b % STAGES once the consumers have released it (empty[stage]); each
+        # thread's cp.async completions arrive on full[stage] (count 128; the first arrival also covers copies
+        # committed before the loop, e.g. q).
         # Block b + 1's slot indices are loaded right after block b's copies are issued, so their global-load
         # latency passes while the producer waits for the next free stage (profiled on the H200: the index loads
         # issued after the wait were the producer's main stall). BLOCK_N is 16, 32 or 64.
@@ -185,7 +193,7 @@ if IMPORTED:
         i1 = slot_rows(IDX, row_base, 0, 16, K, BLOCK_N, n_layout)
         i2 = slot_rows(IDX, row_base, 0, 32, K, BLOCK_N, n_layout)
         i3 = slot_rows(IDX, row_base, 0, 48, K, BLOCK_N, n_layout)
-        for b in range(gl.cdiv(K, BLOCK_N)):
+        for b in range(nb):
             stage = b % STAGES
             mbarrier.wait(empty.index(stage), ((b // STAGES) + 1) & 1, pred=b >= STAGES)
             kv_stage = ring.index(stage)

@@ -171,6 +171,15 @@ def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return table[idx.clamp(min=0)]
 
 
+def row_ends(idx: torch.Tensor) -> torch.Tensor:
+    """(rows,) int32: each row of ``idx`` (rows, K) its last valid slot + 1 (0 for a row without a valid slot). The
+    kernels stop there: the empty slots of a row's last part (the top-k of a document's early rows, the visible
+    compressed entries of a dense or HCA row) trail it."""
+    slot = torch.arange(1, idx.shape[1] + 1, dtype=torch.int32, device=idx.device)
+    return torch.where(idx >= 0, slot, 0).amax(dim=1).to(torch.int32) if idx.shape[1] else \
+        torch.zeros(idx.shape[0], dtype=torch.int32, device=idx.device)
+
+
 def as_index_set(indices: torch.Tensor | IndexSet) -> IndexSet:
     return indices if isinstance(indices, IndexSet) else Explicit(indices)
 

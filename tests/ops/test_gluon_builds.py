@@ -49,13 +49,13 @@ def gluon_kernels():
                                 REGS=tuple(scores.CONFIG["REGS"])) for table in (False, True)}
     return [
         ("attn_fwd", attn._sparse_attn_fwd_gluon,
-         dict(Q=bf, KV=bf, IDX=i32, SINK=f32, OUT=bf, LSE=f32, H="i32", K="i32", qk_scale_log2="fp32"),
+         dict(Q=bf, KV=bf, IDX=i32, NEND=i32, SINK=f32, OUT=bf, LSE=f32, H="i32", K="i32", qk_scale_log2="fp32"),
          dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
         ("teacher_mass", attn._teacher_mass_gluon,
          dict(Q=bf, CKV=bf, IDX=i32, FULL_LSE=f32, MASS=f32, H="i32", K="i32", qk_scale="fp32"),
          dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
         ("attn_bwd", attn_bwd._sparse_attn_bwd_gluon,
-         dict(Q=bf, DO=bf, KV=bf, IDX=i32, DENOM2=f32, DELTA=f32, DQ=bf, DKV=f32, H="i32", K="i32",
+         dict(Q=bf, DO=bf, KV=bf, IDX=i32, NEND=i32, DENOM2=f32, DELTA=f32, DQ=bf, DKV=f32, H="i32", K="i32",
               qk_scale_log2="fp32", scale="fp32"),
          dict(D=512, BLOCK_N=attn_bwd.BLOCK_N, CHUNK=bwd["CHUNK"], num_warps=4, REGS=tuple(bwd["REGS"]))),
         ("indexer_scores", scores._indexer_orders_gluon, score_sig, score_consts[False]),

@@ -3,7 +3,7 @@ and ``within`` (the ops' index safety)."""
 import torch
 
 from dsv4attn import pack_batch
-from dsv4attn.ops.index_sets import Concat, Explicit, Rows, Stack, VisibleCompressed, Window, within
+from dsv4attn.ops.index_sets import Concat, Explicit, Rows, Stack, VisibleCompressed, Window, row_ends, within
 
 
 def test_stack_pads_narrow_parts_and_splits_any_row_range():
@@ -50,3 +50,15 @@ def test_within_masks_explicit_sets_keeping_them_explicit():
     masked = within(e, 6)                                     # rows 2 + v < 6: v in {0, 3, 2}; 5 and 4 and 9 go
     assert isinstance(masked, Explicit) and masked.bound == 6
     assert torch.equal(masked.materialize(), torch.tensor([[2, 5, -1, -1], [4, -3, -1, -1]]))
+
+
+def test_row_ends_is_one_past_each_rows_last_valid_slot():
+    idx = torch.tensor([[3, -1, 5, -1, -1],         # a hole before the last valid slot does not end the row
+                        [-1, -1, -1, -1, -1],       # no valid slot
+                        [0, 1, 2, 3, 4],
+                        [-1, -1, -1, -1, 7]], dtype=torch.int32)
+    ends = row_ends(idx)
+    assert ends.dtype == torch.int32
+    assert ends.tolist() == [3, 0, 5, 5]
+    assert row_ends(idx[:, :0]).tolist() == [0, 0, 0, 0]
+    assert row_ends(idx[:0]).shape == (0,)

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from dsv4attn import variants
+from dsv4attn.ops.index_sets import row_ends
 
 from tests.ops.interpreter import run_worker
 from tests.ops.kernel_checks import OpLog, assert_error_within, low_precision_bound
@@ -290,7 +291,7 @@ def _mass_given_check(klt) -> dict:
     logits = torch.einsum("thd,tkd->thk", q.double(), ckv.double()[idx.long().clamp(min=0)]) * q.shape[-1] ** -0.5
     mass = torch.where(valid, torch.exp(logits - full.double()[..., None]).sum(1), 0.0).float().contiguous()
     operands = klt._operands(index_q, index_k, index_w, q, ckv)
-    chunks = [(0, idx.shape[0], idx, klt._row_ends(idx))]
+    chunks = [(0, idx.shape[0], idx, row_ends(idx))]
     fwd = dict(klt.FWD_CONFIG, **c["fwd"])
     scale = q.shape[-1] ** -0.5
     result = {}

@@ -36,6 +36,8 @@ def inputs(T, H, D, K, N, dtype, gen, sink_kind="random"):
     idx = idx.masked_fill(torch.rand(T, K, generator=gen) < 0.2, -1)       # holes
     if K > 1:
         idx[:, 1] = idx[:, 0]                                              # duplicates count once per occurrence
+    for t in range(2, T, 5):                # rows ending early (the kernels stop at a row's last valid slot)
+        idx[t, (t * 37) % (K + 1):] = -1
     if K > 0:
         idx[3] = -1                                                        # a row with no valid slot
     if T > 8 and K > 0:

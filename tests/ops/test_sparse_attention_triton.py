@@ -98,6 +98,8 @@ def _inputs(c, seed):
     idx[torch.rand(T, K, generator=gen) < 0.3] = -1                  # holes
     idx[:, 1] = idx[:, 0]                                             # repeated slots: each occurrence counts
     idx[0, 1] = -1
+    for t in range(2, T, 5):                # rows ending early (the kernels stop at a row's last valid slot)
+        idx[t, (t * 37) % (K + 1):] = -1
     idx[3] = -1                                                       # rows with no valid index
     idx[T - 1] = -1
     return q, kv, idx.to(torch.int32 if c["int32"] else torch.int64), sink, grad_out

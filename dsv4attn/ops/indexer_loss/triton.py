@@ -62,7 +62,7 @@ from ..gluon_common import sm90
 from ..sparse_attention import gluon_hopper
 from . import gluon_hopper as gluon_kl
 from ..triton_common import dot, dot_mode, launch_fitting, round_to
-from ..index_sets import Explicit, IndexSet, chunk_rows
+from ..index_sets import Explicit, IndexSet, chunk_rows, row_ends
 from .reference import FLT_MIN, indexer_kl_reference
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -444,16 +444,10 @@ def _bwd_shrink(meta: dict) -> dict | None:
     return dict(meta, BLOCK_N=meta["BLOCK_N"] // 2) if meta["BLOCK_N"] > 16 else None
 
 
-def _row_ends(idx: torch.Tensor) -> torch.Tensor:
-    """(rows,) int32: each row's last valid slot + 1 (0 for a row without candidates)."""
-    slot = torch.arange(1, idx.shape[1] + 1, dtype=torch.int32, device=idx.device)
-    return torch.where(idx >= 0, slot, 0).amax(dim=1).to(torch.int32)
-
-
 def _chunk_slots(candidates: IndexSet, start: int, end: int):
     """(rows, K) int32 candidate slots of query rows start..end-1, materialised, and their row ends."""
     idx = candidates.rows(start, end).to(torch.int32).contiguous()
-    return idx, _row_ends(idx)
+    return idx, row_ends(idx)
 
 
 def _lazy_chunks(candidates: IndexSet, ranges):
@@ -606,7 +600,7 @@ def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: t
         raise ValueError("indexer_kl op: student_scores needs full=True (the full-denominator form reads them)")
     T, K = candidates.shape
     idx = candidates.to(torch.int32).contiguous()
-    n_end = _row_ends(idx)
+    n_end = row_ends(idx)
     operands = _operands(index_q, index_k, index_weights, q, compressed_kv)
     mass = _gluon_teacher_mass(operands, idx, outside_lse, scale) if full else None
     with backend.exact_math(index_q.device):

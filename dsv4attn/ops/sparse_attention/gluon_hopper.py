@@ -10,6 +10,10 @@ Why not Triton: its pipeliner does not make the row gather asynchronous (the add
 the same iteration), so the Triton kernel loads every 64 x 512 kv tile synchronously through registers while the
 tensor cores wait (ttgir of the Triton 3.6 build: ``tt.load`` + ``local_alloc``, no ``async_copy``).
 
+Each row's blocks end at its last valid slot (``index_sets.row_ends``, computed by the launcher): the empty slots of
+a row's last part (a document's early rows in the top-k, the visible compressed entries of a dense or HCA row) trail
+it, and the kernel skips their blocks (BENCHMARKS.md, fourteenth session: the dense CSA layer at 32K 298 -> 195 ms).
+
 Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_specialize``):
 
 - producer (40 registers per thread, ``REGS``): copies q, then the kv rows of every BLOCK_N slots into a ring of
@@ -38,8 +42,9 @@ from __future__ import annotations
 import torch
 
 from ..gluon_common import (BLOCK_H, IMPORTED, async_copy, copy_heads, fence_async_shared, gl, gluon, half_precision,
-                            mbarrier, mbarriers, program_row, ring_gather, sm90, store_heads, warpgroup_mma,
-                            warpgroup_mma_wait)
+                            mbarrier, mbarriers, program_row, ring_gather, row_blocks, sm90, store_heads,
+                            warpgroup_mma, warpgroup_mma_wait)
+from ..index_sets import row_ends
 
 LOG2E = 1.4426950408889634
 # BLOCK_N: gathered rows per block; STAGES: ring depth; REGS: registers per thread of the worker consumer and the
@@ -93,12 +98,19 @@ if IMPORTED:
         store_heads(out, OUT, t, H, hb, col0, staging, D)
 
     @gluon.jit
-    def _pp_producer(Q, KV, IDX, H, K, t, hb, q_smem, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _pp_producer(Q, KV, IDX, H, K, nb, t, hb, q_smem, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr):
-        # Producer warpgroup of the attention forward and the teacher mass: q, then the ring (ring_gather).
+        # Producer warpgroup of the attention forward and the teacher mass: q, then the ring's nb blocks
+        # (ring_gather).
         copy_heads(Q, H, t, hb, q_smem, D)
         async_copy.commit_group()           # waited for below even when K == 0 (no block arrives on full[])
-        ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, STAGES)
+        ring_gather(KV, IDX, K, nb, t, ring, full, empty, D, BLOCK_N, STAGES)
+
+    @gluon.jit
+    def _fwd_producer(Q, KV, IDX, NEND, H, K, t, hb, q_smem, ring, full, empty, D: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        _pp_producer(Q, KV, IDX, H, K, row_blocks(NEND, t, BLOCK_N), t, hb, q_smem, ring, full, empty, D, BLOCK_N,
+                     STAGES)
 
     @gluon.jit
     def _pp_publish(s, m_i, b, p_buf, stats, pready, pfree):
@@ -135,7 +147,7 @@ if IMPORTED:
         return l_i, m_i, acc
 
     @gluon.jit
-    def _pp_consumer(IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats, full, empty,
+    def _pp_consumer(IDX, NEND, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats, full, empty,
                      pready, pfree, W: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         # Ping-pong schedule, consumer warpgroup W: owns output columns [W * D/2, (W+1) * D/2) and the softmax of
         # blocks b with b % 2 == W (_pp_publish); every block, both warpgroups rescale and add P V for their columns.
@@ -144,7 +156,8 @@ if IMPORTED:
         # other's block b and this consumer's block c = b + 1 together: P V of b and Q K^T of c are issued back to
         # back (asynchronously, no idle tensor cores between them), b's stage is released once its P V is done
         # (waiting for all but the newest product), c's softmax starts once its Q K^T is (faster than P V, then
-        # Q K^T, each waited for: BENCHMARKS.md, fifth session).
+        # Q K^T, each waited for: BENCHMARKS.md, fifth session). The row's blocks end at its last valid slot
+        # (row_blocks): every partition derives the count itself.
         # mbarrier.arrive is issued by one thread; Triton puts a barrier of the warpgroup before it (an arrive
         # counts as touching all shared memory), so every thread's stores are done when the other side wakes.
         HALF: gl.constexpr = D // 2
@@ -154,7 +167,7 @@ if IMPORTED:
                                                            instr_shape=[16, HALF, 16])
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_base = t * K
-        nb = gl.cdiv(K, BLOCK_N)
+        nb = row_blocks(NEND, t, BLOCK_N)
         m_i = gl.full([BLOCK_H_C], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.zeros([BLOCK_H_C], gl.float32, layout=row_layout)
         acc = gl.zeros([BLOCK_H_C, HALF], gl.float32, layout=o_layout)
@@ -205,14 +218,14 @@ if IMPORTED:
             mbarrier.arrive(empty.index(last % STAGES))
         # Every Q K^T is done once either consumer gets here, so this consumer's half of q is free to stage its
         # output columns: the owner of the last block ran that Q K^T itself and, for the block before, waited for
-        # the other's P (after the other's Q K^T); the other consumer waited for the last block's P. (K >= 1 here:
-        # with no block, both consumers would take "block -1" over and wait on barriers out of range; launch_fwd
-        # handles K = 0.)
+        # the other's P (after the other's Q K^T); the other consumer waited for the last block's P. (nb >= 1: with
+        # no block, both consumers would take "block -1" over and wait on barriers out of range; launch_fwd handles
+        # K = 0.)
         _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, W * HALF, q_all.index(0).slice(W * HALF, HALF, dim=1), D,
                 W == 0)
 
     @gluon.jit
-    def _sparse_attn_fwd_gluon(Q, KV, IDX, SINK, OUT, LSE, H, K, qk_scale_log2,
+    def _sparse_attn_fwd_gluon(Q, KV, IDX, NEND, SINK, OUT, LSE, H, K, qk_scale_log2,
                                D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                num_warps: gl.constexpr, REGS: gl.constexpr):
         # Three warpgroups: this partition and a worker are the consumers (_pp_consumer), a worker gathers.
@@ -230,18 +243,19 @@ if IMPORTED:
         pready = mbarriers(2, 1)
         pfree = mbarriers(2, 2)
         gl.warp_specialize([
-            (_pp_consumer, (IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats, full, empty,
-                            pready, pfree, gl.constexpr(0), D, BLOCK_N, STAGES)),
-            (_pp_consumer, (IDX, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats, full, empty,
-                            pready, pfree, gl.constexpr(1), D, BLOCK_N, STAGES)),
-            (_pp_producer, (Q, KV, IDX, H, K, t, hb, q_all.index(0), ring, full, empty, D, BLOCK_N, STAGES))],
+            (_pp_consumer, (IDX, NEND, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats, full,
+                            empty, pready, pfree, gl.constexpr(0), D, BLOCK_N, STAGES)),
+            (_pp_consumer, (IDX, NEND, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats, full,
+                            empty, pready, pfree, gl.constexpr(1), D, BLOCK_N, STAGES)),
+            (_fwd_producer, (Q, KV, IDX, NEND, H, K, t, hb, q_all.index(0), ring, full, empty, D, BLOCK_N,
+                             STAGES))],
             [4, 4], [REGS[0], REGS[1]])
 
     @gluon.jit
     def _mass_producer(Q, CKV, IDX, H, K, q_smem, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr):
         t, hb = program_row(H)
-        _pp_producer(Q, CKV, IDX, H, K, t, hb, q_smem, ring, full, empty, D, BLOCK_N, STAGES)
+        _pp_producer(Q, CKV, IDX, H, K, gl.cdiv(K, BLOCK_N), t, hb, q_smem, ring, full, empty, D, BLOCK_N, STAGES)
 
     @gluon.jit
     def _mass_consumer(IDX, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
@@ -319,7 +333,7 @@ def launch_fwd(q, kv, idx, sink, out, lse, scale, config=None):
         lse.fill_(float("-inf"))
         return
     _sparse_attn_fwd_gluon[(T * (H // BLOCK_H),)](
-        q, kv, idx, sink, out, lse, H, idx.shape[1], scale * LOG2E,
+        q, kv, idx, row_ends(idx), sink, out, lse, H, idx.shape[1], scale * LOG2E,
         D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
 
 

@@ -14,7 +14,9 @@ the gradient: S = Q KV^T, dP = dO KV^T, dQ += dS KV, dKV = P^T dO + dS^T Q.
 
 Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_specialize``):
 
-- producer: q and dO of the head block (cp.async), then the kv rows of each 64-slot tile into a one-stage ring
+- producer: q and dO of the head block (cp.async), then the kv rows of each 64-slot tile up to the row's last valid
+  slot (:func:`dsv4attn.ops.gluon_common.row_blocks`; loaded once and handed to the partitions: loaded in each, it
+  took the dKV warpgroup from 60 to 540 bytes of spills, ptxas of Triton 3.6) into a one-stage ring
   (:func:`dsv4attn.ops.gluon_common.ring_gather`; q, dO and the tile take 192 KiB, so one stage is all that fits);
 - softmax warpgroup (the default partition): S and dP (asynchronous wgmma, back to back), P and dS in registers,
   stored to the tile's P / dS buffers (two of each, alternating by tile) for the dKV warpgroup, then
@@ -35,8 +37,9 @@ import torch
 
 from .. import gluon_common
 from ..gluon_common import (BLOCK_H, IMPORTED, add_reduced, add_unpermuted, copy_heads, fence_async_shared, gl, gluon,
-                            mbarrier, mbarriers, program_row, reduction_layout, ring_gather, store_heads, warpgroup_mma,
-                            warpgroup_mma_wait)
+                            mbarrier, mbarriers, program_row, reduction_layout, ring_gather, row_blocks, store_heads,
+                            warpgroup_mma, warpgroup_mma_wait)
+from ..index_sets import row_ends
 from . import gluon_hopper
 from .gluon_hopper import LOG2E
 
@@ -63,16 +66,16 @@ if IMPORTED:
     BLOCK_H_C = gl.constexpr(BLOCK_H)
 
     @gluon.jit
-    def _bwd_producer(Q, DO, KV, IDX, H, K, t, hb, q_smem, do_smem, ring, full, empty, D: gl.constexpr,
+    def _bwd_producer(Q, DO, KV, IDX, nb, H, K, t, hb, q_smem, do_smem, ring, full, empty, D: gl.constexpr,
                       BLOCK_N: gl.constexpr):
         copy_heads(Q, H, t, hb, q_smem, D)
         copy_heads(DO, H, t, hb, do_smem, D)
         gluon_common.async_copy.commit_group()      # the first full[] arrival covers these copies too
-        ring_gather(KV, IDX, K, t, ring, full, empty, D, BLOCK_N, 1)
+        ring_gather(KV, IDX, K, nb, t, ring, full, empty, D, BLOCK_N, 1)
 
     @gluon.jit
-    def _bwd_softmax(IDX, DQ, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf, ds_buf,
-                     full, empty, pready, pfree, D: gl.constexpr, BLOCK_N: gl.constexpr):
+    def _bwd_softmax(IDX, nb, DQ, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf,
+                     ds_buf, full, empty, pready, pfree, D: gl.constexpr, BLOCK_N: gl.constexpr):
         HALF: gl.constexpr = D // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -84,7 +87,6 @@ if IMPORTED:
         s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
         dq = gl.zeros([BLOCK_H_C, HALF], gl.float32, layout=q_layout)
         row_base = t * K
-        nb = gl.cdiv(K, BLOCK_N)
         for b in range(nb):
             # Shared-memory operands through a block-dependent zero index z (see gluon_hopper._pp_consumer: with
             # loop-invariant bases the compiler hoists the wgmma descriptors out of the loop and spills them).
@@ -113,7 +115,7 @@ if IMPORTED:
         store_heads(dq, DQ, t, H, hb, 0, ring.index(0).slice(0, HALF, dim=1), D)
 
     @gluon.jit
-    def _bwd_dkv(IDX, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready, pfree,
+    def _bwd_dkv(IDX, nb, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready, pfree,
                  D: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
         HALF: gl.constexpr = D // 2
         CHUNKS: gl.constexpr = D // CHUNK
@@ -125,7 +127,6 @@ if IMPORTED:
         c_zero = gl.zeros([BLOCK_N, CHUNK], gl.float32, layout=c_layout)
         red_layout: gl.constexpr = reduction_layout(BLOCK_N, CHUNK)
         row_base = t * K
-        nb = gl.cdiv(K, BLOCK_N)
         for b in range(nb):
             z = (b + 1) // (nb + 1)
             buf = b % 2
@@ -163,10 +164,11 @@ if IMPORTED:
         store_heads(dq, DQ, t, H, hb, HALF, ring.index(0).slice(HALF, HALF, dim=1), D)
 
     @gluon.jit
-    def _sparse_attn_bwd_gluon(Q, DO, KV, IDX, DENOM2, DELTA, DQ, DKV, H, K, qk_scale_log2, scale,
+    def _sparse_attn_bwd_gluon(Q, DO, KV, IDX, NEND, DENOM2, DELTA, DQ, DKV, H, K, qk_scale_log2, scale,
                                D: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr,
                                REGS: gl.constexpr):
         t, hb = program_row(H)
+        nb = row_blocks(NEND, t, BLOCK_N)       # up to the row's last valid slot
         dtype: gl.constexpr = Q.dtype.element_ty
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype)
         q_all = gl.allocate_shared_memory(dtype, [1, BLOCK_H_C, D], x_layout)
@@ -181,11 +183,11 @@ if IMPORTED:
         pready = mbarriers(2, 1)
         pfree = mbarriers(2, 1)
         gl.warp_specialize([
-            (_bwd_softmax, (IDX, DQ, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf,
-                            ds_buf, full, empty, pready, pfree, D, BLOCK_N)),
-            (_bwd_dkv, (IDX, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready, pfree,
-                        D, BLOCK_N, CHUNK)),
-            (_bwd_producer, (Q, DO, KV, IDX, H, K, t, hb, q_all.index(0), do_all.index(0), ring, full, empty, D,
+            (_bwd_softmax, (IDX, nb, DQ, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring,
+                            p_buf, ds_buf, full, empty, pready, pfree, D, BLOCK_N)),
+            (_bwd_dkv, (IDX, nb, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready,
+                        pfree, D, BLOCK_N, CHUNK)),
+            (_bwd_producer, (Q, DO, KV, IDX, nb, H, K, t, hb, q_all.index(0), do_all.index(0), ring, full, empty, D,
                              BLOCK_N))],
             [4, 4], [REGS[0], REGS[1]])
 
@@ -204,7 +206,7 @@ def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None):
         return
     acc = torch.zeros_like(dkv)                 # dKV with each 16-column group permuted (see _bwd_dkv)
     _sparse_attn_bwd_gluon[(T * (H // BLOCK_H),)](
-        q, do, kv, idx, denom2, delta, dq, acc, H, K, scale * LOG2E, scale,
+        q, do, kv, idx, row_ends(idx), denom2, delta, dq, acc, H, K, scale * LOG2E, scale,
         D=D, BLOCK_N=BLOCK_N, CHUNK=cfg["CHUNK"], num_warps=4, REGS=tuple(cfg["REGS"]))
     add_unpermuted(dkv, acc)
 

@@ -43,7 +43,7 @@ import triton.language as tl
 from ... import backend, variants
 from ..gluon_common import sm90
 from ..triton_common import dot, dot_mode, launch_fitting, round_to
-from ..index_sets import IndexSet
+from ..index_sets import IndexSet, row_ends
 from .op import register_triton, run
 from .segment_sum import add_rows_by_key
 from . import gluon_hopper, gluon_hopper_bwd
@@ -99,7 +99,7 @@ DETERMINISTIC_BUFFER_ELEMENTS = 1 << 27
 
 @triton.jit
 def _sparse_attn_fwd_kernel(
-    Q, KV, IDX, SINK, OUT, LSE,
+    Q, KV, IDX, NEND, SINK, OUT, LSE,
     H, K, qk_scale_log2,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
@@ -127,7 +127,8 @@ def _sparse_attn_fwd_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)          # running max, log2 domain
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for start in tl.range(0, K, BLOCK_N):
+    # Up to the row's last valid slot (NEND, index_sets.row_ends): the empty slots that trail a row are skipped.
+    for start in tl.range(0, tl.load(NEND + t), BLOCK_N):
         n = start + offs_n
         idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
         valid = idx >= 0
@@ -187,7 +188,7 @@ def _put_dkv(DKV, dkv, row_off, slot, valid, in_row, offs_c, D: tl.constexpr, DE
 
 @triton.jit
 def _sparse_attn_bwd_rows_kernel(
-    Q, KV, IDX, DO, DENOM2, DELTA, DQ, DKV,
+    Q, KV, IDX, NEND, DO, DENOM2, DELTA, DQ, DKV,
     H, K, ROWS, scale, qk_scale_log2,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
     DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, DETERMINISTIC: tl.constexpr,
@@ -220,7 +221,9 @@ def _sparse_attn_bwd_rows_kernel(
     if DO_DQ or DO_DKV:
         if DO_DQ:
             dq = tl.zeros([BLOCK_H, D], tl.float32)
-        for start in range(0, K, BLOCK_N):
+        # Up to the tile of the row's last valid slot (NEND): in the deterministic mode the buffer's slots of the tiles
+        # after it stay unwritten, and the key-by-key reduction reads valid slots only.
+        for start in range(0, tl.load(NEND + t), BLOCK_N):
             n = start + offs_n
             idx = tl.load(IDX + t * K + n, mask=n < K, other=-1)
             valid = idx >= 0
@@ -339,7 +342,7 @@ def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
                                               "using the Triton kernel")
             rest = {}
     _launch(_sparse_attn_fwd_kernel, lambda grid, meta: grid, q, rest or FWD_CONFIGS[D],
-            (q, kv, idx, sink, out, lse, H, idx.shape[1], scale * LOG2E))
+            (q, kv, idx, row_ends(idx), sink, out, lse, H, idx.shape[1], scale * LOG2E))
     return out, lse
 
 
@@ -428,6 +431,7 @@ def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deter
     T, H, D = q.shape
     K = idx.shape[1]
     kv_read = kv if kv.shape[0] > 0 else kv.new_zeros(1, D)    # empty slots read row 0 (never used, never written)
+    n_end = row_ends(idx)
     overrides = {name: config.pop(name) for name in list(config) if isinstance(config[name], dict)}
     for parts, name in zip(layout.passes, layout.names()):
         cfg = dict(config, **overrides.get(name, {}))
@@ -437,7 +441,7 @@ def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deter
         def launch(s, e, buf, det):
             cfg_det = dict(cfg, DETERMINISTIC=det)
             _launch(_sparse_attn_bwd_rows_kernel, lambda grid, meta: grid, q[s:e], cfg_det,
-                    (q[s:e], kv_read, idx[s:e], grad_out[s:e], denom2[s:e], delta[s:e], dq[s:e], buf,
+                    (q[s:e], kv_read, idx[s:e], n_end[s:e], grad_out[s:e], denom2[s:e], delta[s:e], dq[s:e], buf,
                      H, K, e - s, scale, scale * LOG2E))
 
         if "DKV" in parts and deterministic:
