@@ -3,10 +3,10 @@
     python benchmarks/layer.py --preset flash --rows 8192 32768 131072 262144 --ratios 0 4 128 \
         --phases dense warmup sparse [--breakdown] [--backend reference]
 
-Each case runs once to warm up, then once timed. ``peak reserved`` is the caching allocator's peak (what the
-process held from the driver); ``live before`` is the memory still allocated when the case starts (after garbage
-collection): anything but the inputs there means the previous case leaked. ``doc`` is the document length
-(``--doc-len``; the batch is T / doc documents back to back).
+Each case runs once to warm up, then once timed (``--rounds R``: R times, medians). ``peak reserved`` is the
+caching allocator's peak (what the process held from the driver); ``live before`` is the memory still allocated when
+the case starts (after garbage collection): anything but the inputs there means the previous case leaked. ``doc`` is
+the document length (``--doc-len``; the batch is T / doc documents back to back).
 
 ``--breakdown`` records the arguments of every op call the timed step makes (compressor pooling, indexer top-k,
 sparse attention, indexer KL) and replays each call on its own, forward and forward + backward, median of 3.
@@ -17,7 +17,9 @@ projection.
 (or, on the CPU, operators) with the most self time: what "rest" is made of.
 
 ``--compile`` adds a row per case for ``torch.compile(layer, fullgraph=True)`` (inductor: the registered Triton ops
-stay opaque, the norms, casts and other elementwise code between them are generated), after one compiling run.
+stay opaque, the norms, casts and other elementwise code between them are generated), after one compiling run; with
+``--rounds R`` the eager and compiled steps alternate R times and the row gives the medians and the median of the
+per-round ratios (eager / compiled fwd+bwd time: above 1 means the compiled layer is faster).
 
 ``--peers .peers`` (with ``--breakdown``, one document per batch) replays the layer's own op calls through the peers
 a Megatron-style Hopper stack would run for them: the attention through FlashMLA's sparse forward and cuDNN
@@ -237,6 +239,8 @@ def main() -> None:
                     help="also profile one step per case and print its N most expensive kernels")
     ap.add_argument("--compile", action="store_true", help="also run each case through torch.compile(layer, "
                     "fullgraph=True) (inductor; the pack built outside): a second row, phase marked 'compiled'")
+    ap.add_argument("--rounds", type=int, default=1, help="timed runs per case (medians); with --compile the eager "
+                    "and compiled steps alternate")
     ap.add_argument("--peers", default=None, help="folder of the peers (e.g. .peers; with --breakdown, one document): "
                     "FlashMLA, cuDNN's backward and indexer in place of ours, op by op")
     args = ap.parse_args()
@@ -270,6 +274,10 @@ def main() -> None:
                     run_case(layer, x, cu, doc, phase, device)
                     fwd, total, peak, reserved, live, calls = run_case(layer, x, cu, doc, phase, device,
                                                                        args.breakdown)
+                    if args.rounds > 1 and not args.compile:      # with --compile the rounds alternate below
+                        runs = [(fwd, total)] + [run_case(layer, x, cu, doc, phase, device)[:2]
+                                                 for _ in range(args.rounds - 1)]
+                        fwd, total = (statistics.median(r[i] for r in runs) for i in range(2))
                 except torch.OutOfMemoryError:
                     print(f"| {T} | {doc} | {ratio} | {phase} | OOM | OOM | - | - | - |", flush=True)
                     gc.collect()
@@ -288,7 +296,20 @@ def main() -> None:
                     pack = dsv4attn.pack_batch(cu, T, doc)      # outside the compiled region (it reads cu_seqlens)
                     run_case(compiled, x, cu, doc, phase, device, pack=pack)    # compiles
                     fwd, total, peak, reserved, live, _ = run_case(compiled, x, cu, doc, phase, device, pack=pack)
-                    print(f"| {T} | {doc} | {ratio} | {phase} (compiled) | {fwd:.1f} | {total:.1f} | {peak:.1f} | "
+                    if args.rounds > 1:
+                        eager, comp = [], [(fwd, total)]
+                        for _ in range(args.rounds):
+                            eager.append(run_case(layer, x, cu, doc, phase, device)[:2])
+                            comp.append(run_case(compiled, x, cu, doc, phase, device, pack=pack)[:2])
+                        med = lambda runs, i: statistics.median(r[i] for r in runs)      # noqa: E731
+                        ratio_t = statistics.median(e[1] / k[1] for e, k in zip(eager, comp[1:]))
+                        print(f"| {T} | {doc} | {ratio} | {phase} (eager, {args.rounds} alternating rounds) | "
+                              f"{med(eager, 0):.1f} | {med(eager, 1):.1f} | - | - | - |", flush=True)
+                        fwd, total = med(comp[1:], 0), med(comp[1:], 1)
+                        phase_label = f"{phase} (compiled, eager / compiled = {ratio_t:.3f})"
+                    else:
+                        phase_label = f"{phase} (compiled)"
+                    print(f"| {T} | {doc} | {ratio} | {phase_label} | {fwd:.1f} | {total:.1f} | {peak:.1f} | "
                           f"{reserved:.1f} | {live:.2f} |", flush=True)
                     if args.profile:
                         print(f"\nProfile of the compiled layer, ratio {ratio}, {phase}:", flush=True)

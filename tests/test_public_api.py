@@ -51,7 +51,8 @@ def test_sparse_attention_signature():
     assert params["softmax_scale"].default is None
     # Additions are keyword-only, so positional calls keep their meaning.
     extra = {name: p for name, p in params.items() if name not in list(params)[:5]}
-    assert {name: p.default for name, p in extra.items()} == {"topk_length": None, "deterministic": False}
+    assert {name: p.default for name, p in extra.items()} == {"topk_length": None, "deterministic": False,
+                                                              "output_rope": None}
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra.values())
 
 

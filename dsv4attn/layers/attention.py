@@ -7,7 +7,7 @@ from torch import nn
 from .. import checks
 from ..checkpoints import load_attention_state_dict
 from ..config import AttentionConfig, check_phase, check_ratio
-from ..ops import indexer_kl, indexer_topk, inverse_rope, qnorm_rope, sparse_attention
+from ..ops import indexer_kl, indexer_topk, qnorm_rope, sparse_attention
 from ..ops.index_sets import Concat, Explicit, Rows, VisibleCompressed, Window
 from ..packing import PackedBatch, cached
 from ..parallel.setup import halo_rows, layer_frame
@@ -241,7 +241,9 @@ class HybridAttention(KeepFp32Params):
                 if train_indexer and phase == "warmup":      # teacher over every visible entry
                     loss = self._indexer_loss(q, kv, compressed, window, index_q, index_k, index_w, visible, pack)
 
-        out, lse = sparse_attention(q, keys, index_set, self.sinks, c.softmax_scale)
+        # The output comes rotated back by the query's angle (the inverse RoPE, fused into the kernels' epilogue;
+        # always a new tensor: docs/semantics.md, invariant 9.1).
+        out, lse = sparse_attention(q, keys, index_set, self.sinks, c.softmax_scale, output_rope=(pos_q, inv_freq))
         if train_indexer and phase == "sparse":
             # The teacher's candidates are exactly the attention's compressed ones: its own full denominator
             # logaddexp(lse, sink) normalises the teacher (no second attention over the window, logits formed once).
@@ -251,8 +253,6 @@ class HybridAttention(KeepFp32Params):
                                       student_scores=topk_scores)
         if loss is not None:
             out = AttachLoss.apply(out, loss)
-        out = inverse_rope(out, pos_q, inv_freq)   # out of place: never a view of `out`
-                                                   # (docs/semantics.md, invariant 9.1)
         G = self.local_groups                      # this rank's heads make exactly these groups
         grouped = self.o_a_proj(out.reshape(T, G, self.local_heads * D // G))
         y = tp.reduce(self.o_b_proj(grouped.reshape(T, G * c.o_lora_rank)))   # partial sums -> the full output

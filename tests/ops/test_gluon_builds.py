@@ -3,10 +3,11 @@
 Gluon is experimental and its names move between Triton releases (the shims are in dsv4attn/ops/gluon_common.py).
 On a GPU a kernel that no longer builds only shows as a warning and a fall back to the Triton kernels, and the GPU
 tests are not run by CPU CI: this test makes CI's Triton build each kernel (Gluon front end, MLIR passes, ptxas)
-once, at its launcher's default config, with the launcher's argument types (bf16, D = 512 for the attention; pointer
-arguments 16-byte aligned, as the runtime specialises them), and checks that its shared memory fits an SM90 block.
+once, at its launcher's default config (the forward also with the output rotation), with the launcher's argument
+types (bf16, D = 512 for the attention; pointer arguments 16-byte aligned, as the runtime specialises them), and
+checks that its shared memory fits an SM90 block.
 Cost with a cold Triton cache on a 2-core CPU: about 30 s of CPU time with Triton 3.9, 20 s with 3.6 (one child
-process compiles all six; a warm cache skips the compiles).
+process compiles all seven; a warm cache skips the compiles).
 
 :func:`gluon_kernels` and :func:`compile_sm90` also serve offline studies of a kernel (registers, spills, SASS).
 """
@@ -48,16 +49,20 @@ def gluon_kernels():
     score_consts = {table: dict(HAS_TABLE=table, STAGES=scores.CONFIG["STAGES"], num_warps=4,
                                 REGS=tuple(scores.CONFIG["REGS"])) for table in (False, True)}
     return [
-        ("attn_fwd", attn._sparse_attn_fwd_gluon,
-         dict(Q=bf, KV=bf, IDX=i32, NEND=i32, SINK=f32, OUT=bf, LSE=f32, H="i32", K="i32", qk_scale_log2="fp32"),
-         dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
+        # The forward as the layer calls it (the output's inverse RoPE over 32 channel pairs) and without it.
+        *[(name, attn._sparse_attn_fwd_gluon,
+           dict(Q=bf, KV=bf, IDX=i32, NEND=i32, SINK=f32, OUT=bf, LSE=f32, COS=f32, SIN=f32, H="i32", K="i32",
+                qk_scale_log2="fp32"),
+           dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]), ROPE=rope))
+          for name, rope in (("attn_fwd", 32), ("attn_fwd_no_rope", 0))],
         ("teacher_mass", attn._teacher_mass_gluon,
          dict(Q=bf, CKV=bf, IDX=i32, FULL_LSE=f32, MASS=f32, H="i32", K="i32", qk_scale="fp32"),
          dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
         ("attn_bwd", attn_bwd._sparse_attn_bwd_gluon,
-         dict(Q=bf, DO=bf, KV=bf, IDX=i32, NEND=i32, DENOM2=f32, DELTA=f32, DQ=bf, DKV=f32, H="i32", K="i32",
-              qk_scale_log2="fp32", scale="fp32"),
-         dict(D=512, BLOCK_N=attn_bwd.BLOCK_N, CHUNK=bwd["CHUNK"], num_warps=4, REGS=tuple(bwd["REGS"]))),
+         dict(Q=bf, DO=bf, KV=bf, IDX=i32, NEND=i32, DENOM2=f32, DELTA=f32, DQ=bf, DKV=f32, COS=f32, SIN=f32,
+              H="i32", K="i32", qk_scale_log2="fp32", scale="fp32"),
+         dict(D=512, BLOCK_N=attn_bwd.BLOCK_N, CHUNK=bwd["CHUNK"], num_warps=4, REGS=tuple(bwd["REGS"]), ROPE=32,
+              RW=attn_bwd.rotated_width(32))),
         ("indexer_scores", scores._indexer_orders_gluon, score_sig, score_consts[False]),
         ("indexer_scores_table", scores._indexer_orders_gluon, score_sig, score_consts[True]),
         ("kl_bwd", kl._indexer_kl_bwd_gluon,
@@ -102,7 +107,8 @@ def handed_over_slots_in_scratch(llir: str) -> tuple[list[int], int]:
     return sorted(slots & bases), len(bases)
 
 
-KERNEL_NAMES = ["attn_fwd", "teacher_mass", "attn_bwd", "indexer_scores", "indexer_scores_table", "kl_bwd"]
+KERNEL_NAMES = ["attn_fwd", "attn_fwd_no_rope", "teacher_mass", "attn_bwd", "indexer_scores", "indexer_scores_table",
+                "kl_bwd"]
 
 
 def _worker():

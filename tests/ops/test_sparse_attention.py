@@ -388,6 +388,50 @@ def test_bad_deterministic_and_indices_types():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# output_rope: the output's inverse RoPE inside the op equals the attention followed by apply_rope(inverse=True).
+
+@pytest.mark.parametrize("indices", ["tensor", "index-set"])
+@pytest.mark.parametrize("pairs", [0, 2, 4])
+def test_output_rope_equals_attention_then_inverse_rope(indices, pairs):
+    from dsv4attn.rope import apply_rope
+    pack, q, kv, sink, index_set = ragged_sets(24)
+    arg = index_set.materialize().to(torch.int32) if indices == "tensor" else index_set
+    positions = pack.row_position
+    inv_freq = 10000.0 ** (-torch.arange(pairs, dtype=torch.float64) / max(pairs, 1))
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    fused = run_with_grads(lambda q_, kv_, s_: sparse_attention(q_, kv_, arg, s_, output_rope=(positions, inv_freq)),
+                           q, kv, sink, grad_out)
+
+    def composed(q_, kv_, s_):
+        out, lse = sparse_attention(q_, kv_, arg, s_)
+        return apply_rope(out, positions, inv_freq, inverse=True), lse
+
+    want = run_with_grads(composed, q, kv, sink, grad_out)
+    for name, a, b in zip(("out", "lse", "dq", "dkv", "dsink"), fused, want):
+        torch.testing.assert_close(a, b, **FP64, msg=lambda m: f"{name}: {m}")
+
+
+OUTPUT_ROPE_BAD = {
+    "not_a_pair": (lambda T, pos, inv: pos, TypeError, r"output_rope must be a \(positions, inv_freq\) pair"),
+    "float_positions": (lambda T, pos, inv: (pos.double(), inv), ValueError,
+                        r"output_rope positions must have dtype in"),
+    "short_positions": (lambda T, pos, inv: (pos[:-1], inv), ValueError, r"output_rope positions must have shape"),
+    "2d_inv_freq": (lambda T, pos, inv: (pos, inv[None]), ValueError, r"output_rope inv_freq must be 1-D"),
+    "too_many_pairs": (lambda T, pos, inv: (pos, torch.ones(5, dtype=torch.float64)), ValueError,
+                       r"rotates 10 channels, more than q's head dim 8"),
+}
+
+
+@pytest.mark.parametrize("case", list(OUTPUT_ROPE_BAD))
+def test_output_rope_bad_input(case):
+    make, error, pattern = OUTPUT_ROPE_BAD[case]
+    q, kv, idx, sink = make_case(25)
+    pos, inv = torch.arange(q.shape[0]), torch.ones(2, dtype=torch.float64)
+    with pytest.raises(error, match=pattern):
+        sparse_attention(q, kv, idx, sink, output_rope=make(q.shape[0], pos, inv))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Determinism: the reference is deterministic in both modes (fixed-order sums only), so the flag changes nothing.
 
 @pytest.mark.parametrize("indices", ["tensor", "index-set"])
@@ -453,3 +497,8 @@ def test_opcheck(with_length):
     grad_out = torch.randn(q.shape, dtype=torch.float64)
     torch.library.opcheck(sparse_attention_backward_op, (grad_out, q.detach(), kv.detach(), idx, sink.detach(),
                                                          out.detach(), lse, 0.3, length, True, "reference"))
+    # With the output rotation (its positions and frequencies are op arguments too).
+    rope = (torch.arange(q.shape[0]), torch.tensor([1.0, 0.01], dtype=torch.float64))
+    torch.library.opcheck(sparse_attention_op, (q, kv, idx, sink, 0.3, length, False, "reference", *rope))
+    torch.library.opcheck(sparse_attention_backward_op, (grad_out, q.detach(), kv.detach(), idx, sink.detach(),
+                                                         out.detach(), lse, 0.3, length, True, "reference", *rope))

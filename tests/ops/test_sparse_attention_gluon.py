@@ -246,6 +246,54 @@ def test_gluon_backward_matches_float64_reference(T, H, K, N, dtype, sink_kind):
 
 
 @sm90
+@pytest.mark.parametrize("T,H,D,K,N,pairs", [
+    (64, 64, 512, 640, 300, 32),            # V4: the last 64 of 512 channels, all in the second consumer's half
+    (48, 128, 512, 600, 1000, 32),          # two head blocks
+    (40, 64, 256, 130, 500, 80),            # 160 rotated channels: both consumers' halves
+    (33, 64, 128, 64, 64, 64),              # every channel rotates
+])
+@pytest.mark.parametrize("kernel", ["gluon", "triton"])
+def test_output_rope_matches_float64_reference(T, H, D, K, N, pairs, kernel):
+    """``output_rope``: the forward's epilogue rotates the output back, the backward's pre-pass rotates the gradient
+    forward (then the one-pass Gluon backward at D = 512, the Triton one elsewhere; "triton" runs the Triton forward
+    and the deterministic Triton backward). Bounds as above; the bf16 reference rounds its output, then rotates, and
+    its backward takes the rotated-forward gradient rounded and Delta from the kernel's saved rotated output."""
+    from dsv4attn.rope import apply_rope
+    gen = torch.Generator().manual_seed(T * 3 + K)
+    q, kv, idx, sink = inputs(T, H, D, K, N, torch.bfloat16, gen)
+    grad_out = torch.randn(T, H, D, generator=gen).to("cuda", torch.bfloat16)
+    positions = torch.randint(0, 40000, (T,), generator=gen).cuda()
+    inv_freq = (10000.0 ** (-torch.arange(pairs, dtype=torch.float64) / pairs)).cuda()
+    scale = D ** -0.5
+    tables = sat.rope_tables(positions, inv_freq)
+    out, lse = sat._sparse_attn_fwd(q, kv, idx, sink, scale, dict(KERNEL=kernel), rope=tables)
+    grads = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, deterministic=kernel == "triton",
+                                 rope=tables)
+    got = (out, lse, grads[0], grads[1].to(q.dtype), grads[2])
+    low_out, low_lse = reference_forward(q, kv, Explicit(idx), sink, scale)
+    low = (apply_rope(low_out, positions, inv_freq, inverse=True), low_lse,
+           *reference_backward(apply_rope(grad_out, positions, inv_freq), q, kv, Explicit(idx), sink, lse, scale,
+                               out=out, delta_grad_out=grad_out))
+    q64, kv64, sink64 = q.double(), kv.double(), sink.double()
+    out64, lse64 = reference_forward(q64, kv64, Explicit(idx), sink64, scale)
+    exact = (apply_rope(out64, positions, inv_freq, inverse=True), lse64,
+             *reference_backward(apply_rope(grad_out.double(), positions, inv_freq), q64, kv64, Explicit(idx),
+                                 sink64, lse64, scale))
+    failures = []
+    for name, k, r, e in zip(("out", "lse", "dq", "dkv", "d_sink"), got, low, exact):
+        k, r, e = k.double(), r.double(), e.double()
+        finite = torch.isfinite(e)
+        if not (torch.equal(torch.isfinite(k), finite) and torch.equal(k[~finite], e[~finite])):
+            failures.append(f"{name}: inf pattern differs from float64")
+            continue
+        err_k, err_r = (k - e)[finite].abs().max().item(), (r - e)[finite].abs().max().item()
+        factor = 2.0 if name in ("out", "lse") else 3.0
+        if not err_k <= factor * err_r + 1e-6 * e[finite].abs().max().item():
+            failures.append(f"{name}: kernel error {err_k:.3e}, reference bf16 error {err_r:.3e}")
+    assert not failures, "; ".join(failures)
+
+
+@sm90
 def test_gluon_backward_rows_without_slots_get_zero_gradients():
     D, H, T, N = 512, 64, 12, 40
     gen = torch.Generator().manual_seed(5)

@@ -14,7 +14,8 @@ noise where the reference's own error is ~0 (lse, exactly representable cases).
 
 Also checked here: ``deterministic=True`` (atomic-free backward: bitwise repeatable, equal to the atomic backward
 up to fp32 summation order, within the same bounds against float64; with several row chunks and head blocks) and
-``topk_length`` (identical to masking the indices by hand), and both backward layouts (``LAYOUT``:
+``topk_length`` (identical to masking the indices by hand), ``output_rope`` (the output's inverse RoPE in the
+forward's epilogue, the gradient rotated in the backward's pre-pass), and both backward layouts (``LAYOUT``:
 ``triton.FUSED``, ``triton.SPLIT``) at launcher level: several kv blocks per row, two head blocks,
 empty rows, repeated indices, dKV in column chunks, atomic and deterministic. The same checks at V4 shapes on a
 GPU are in ``test_sparse_attention_gpu.py``.
@@ -72,6 +73,9 @@ LAYOUT_CASES = {
     "fp32-H5-D128-K70": _case("fp32", 5, T=6, D=128, K=70, N=90),
 }
 LAYOUTS = ("FUSED", "SPLIT")
+# The output's inverse RoPE fused into the forward (``output_rope``): case -> rotated channel pairs (part of a
+# 64-wide head, the V4 32 pairs of 512, every channel of a 128-wide head).
+ROPE_CASES = {"bf16-H5": 16, "bf16-H5-D512-K70-multiblock": 32, "fp32-H5-D128": 64}
 LAYOUT_DET_ROWS = 3                                                   # rows per deterministic buffer chunk
 
 
@@ -123,6 +127,39 @@ def _run_reference_low(q, kv, idx, sink, grad_out, saved):
     out, lse = reference_forward(q, kv, Explicit(idx), sink, scale)
     k_out, k_lse = saved[0].to(q.dtype), saved[1].float()               # exact: widened from these dtypes
     grads = reference_backward(grad_out.to(q.dtype), q, kv, Explicit(idx), sink, k_lse, scale, out=k_out)
+    return [x.detach().to(torch.float64) for x in (out, lse, *grads)]
+
+
+def _rope_of(c, pairs, seed):
+    """(positions, inv_freq) of an output rotation over the last 2 * pairs channels: random positions < 5000."""
+    positions = torch.randint(0, 5000, (c["T"],), generator=torch.Generator().manual_seed(seed))
+    return positions, 10000.0 ** (-torch.arange(pairs, dtype=torch.float64) / pairs)
+
+
+def _rotated(fn, positions, inv_freq):
+    """``fn`` (a sparse attention) followed by the inverse RoPE of its output, through autograd."""
+    from dsv4attn.rope import apply_rope
+
+    def run(q, kv, idx, sink, scale):
+        out, lse = fn(q, kv, idx, sink, scale)
+        return apply_rope(out, positions, inv_freq, inverse=True), lse
+    return run
+
+
+def _run_reference_low_rotated(q, kv, idx, sink, grad_out, saved, positions, inv_freq):
+    """:func:`_run_reference_low` with the output rotation: the reference's output rounded, then rotated; its
+    backward takes the gradient rotated forward (rounded, as the kernels' pre-pass does) and forms Delta from the
+    kernel's saved rotated output and the incoming gradient, as the pre-pass does."""
+    from dsv4attn.ops.index_sets import Explicit
+    from dsv4attn.ops.sparse_attention.reference import reference_backward, reference_forward
+    from dsv4attn.rope import apply_rope
+    scale = q.shape[-1] ** -0.5
+    out, lse = reference_forward(q, kv, Explicit(idx), sink, scale)
+    out = apply_rope(out, positions, inv_freq, inverse=True)
+    k_out, k_lse = saved[0].to(q.dtype), saved[1].float()
+    g = grad_out.to(q.dtype)
+    grads = reference_backward(apply_rope(g, positions, inv_freq), q, kv, Explicit(idx), sink, k_lse, scale,
+                               out=k_out, delta_grad_out=g)
     return [x.detach().to(torch.float64) for x in (out, lse, *grads)]
 
 
@@ -213,6 +250,18 @@ def _worker() -> None:
             equals_masked_indices=all(torch.equal(a, b) for a, b in zip(with_length, by_hand)),
             bounds=_compare(with_length, ref_low, exact),
         )
+    results["rope"] = {}
+    for case_id, pairs in ROPE_CASES.items():
+        c = CASES[case_id]
+        q, kv, idx, sink, grad_out = _inputs(c, list(CASES).index(case_id))
+        positions, inv_freq = _rope_of(c, pairs, 3)
+        fused = _run_public(q, kv, idx, sink, grad_out, output_rope=(positions, inv_freq))
+        fixed = _run_public(q, kv, idx, sink, grad_out, output_rope=(positions, inv_freq), deterministic=True)
+        ref_low = _run_reference_low_rotated(q, kv, idx, sink, grad_out, fused[:2], positions, inv_freq)
+        exact = _run(_rotated(sparse_attention_reference, positions, inv_freq), q.double(), kv.double(), idx,
+                     sink.double(), grad_out.double())
+        results["rope"][case_id] = dict(bounds=_compare(fused, ref_low, exact),
+                                        deterministic_bounds=_compare(fixed, ref_low, exact))
     backend.set_backend(None)
 
     results["layouts"] = {}
@@ -273,12 +322,22 @@ def _worker() -> None:
         chunked = _run_public(q, kv, lazy, sink, g)
     finally:
         index_sets.CHUNK_BUDGET["cpu"] = saved_budget
+    # The same with the output rotation (positions of the pack's rows, 8 of the 32 pairs of a 64-wide head).
+    rope = (pack.row_position, 10000.0 ** (-torch.arange(8, dtype=torch.float64) / 8))
+    one_shot_rope = _run_public(q, kv, lazy.materialize().to(torch.int32), sink, g, output_rope=rope)
+    index_sets.CHUNK_BUDGET["cpu"] = 7 * lazy.width
+    try:
+        chunked_rope = _run_public(q, kv, lazy, sink, g, output_rope=rope)
+    finally:
+        index_sets.CHUNK_BUDGET["cpu"] = saved_budget
     # Every slot empty and a kv with no rows: zeros, -inf lse, zero gradients (the kernel must not read kv).
     empty = _run_public(q[:5], kv[:0], torch.full((5, 3), -1, dtype=torch.int32), sink, g[:5])
     backend.set_backend(None)
     results["chunked_index_set"] = dict(
         equals_one_shot=all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(chunked, one_shot)),
         out_and_lse_bitwise=torch.equal(chunked[0], one_shot[0]) and torch.equal(chunked[1], one_shot[1]),
+        rotated_equals_one_shot=all(torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+                                    for a, b in zip(chunked_rope, one_shot_rope)),
         empty_kv_ok=bool((empty[0] == 0).all() and torch.isneginf(empty[1]).all() and (empty[2] == 0).all()
                          and empty[3].shape == (0, D)),
     )
@@ -375,6 +434,15 @@ def test_plumbing(interpreted, check):
     assert interpreted["plumbing"][check]
 
 
-@pytest.mark.parametrize("check", ["equals_one_shot", "out_and_lse_bitwise", "empty_kv_ok"])
+@pytest.mark.parametrize("case_id", list(ROPE_CASES))
+def test_output_rotation_matches_float64_reference(interpreted, case_id):
+    m = interpreted["rope"][case_id]
+    _assert_within_bounds(f"{case_id} output_rope", m["bounds"], CASES[case_id]["dtype"] != "fp32")
+    _assert_within_bounds(f"{case_id} output_rope deterministic", m["deterministic_bounds"],
+                          CASES[case_id]["dtype"] != "fp32")
+
+
+@pytest.mark.parametrize("check", ["equals_one_shot", "out_and_lse_bitwise", "rotated_equals_one_shot",
+                                   "empty_kv_ok"])
 def test_index_set_chunks_and_empty_kv(interpreted, check):
     assert interpreted["chunked_index_set"][check], interpreted["chunked_index_set"]

@@ -14,7 +14,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet, attn_sink: torch.Tensor,
                      softmax_scale: float | None = None, *, topk_length: torch.Tensor | None = None,
-                     deterministic: bool = False):
+                     deterministic: bool = False, output_rope: tuple[torch.Tensor, torch.Tensor] | None = None):
     """One softmax per (row, head) over the keys ``indices[t]`` plus the sink logit (docs/semantics.md, decision 5).
 
     Args:
@@ -32,6 +32,12 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
         deterministic: the backward gives bitwise-identical dq, dkv, d_attn_sink on every run with the same
             inputs (no float atomics; the Triton backward then writes per-slot dKV rows and reduces them in a
             fixed order, somewhat slower). The reference backend is always deterministic.
+        output_rope: optional ``(positions, inv_freq)``, (T,) int32 / int64 on ``q``'s device and (R/2,) float
+            frequencies with R <= D: ``out`` comes rotated back by ``-positions[t] * inv_freq`` on its last R
+            channels in interleaved pairs, the layer's output inverse RoPE (docs/semantics.md, "Output" step 1),
+            done in the kernels' epilogue instead of a pass of its own over (T, H, D); the backward rotates the
+            incoming gradient forward in its Delta pre-pass. The kernels rotate in fp32 before their one rounding;
+            the reference rounds ``out``, then rotates (:func:`dsv4attn.rope.apply_rope`).
     Returns:
         out: (T, H, D) in ``q.dtype``; rows without a valid index give 0.
         lse: (T, H) fp32 (fp64 for fp64 inputs), natural log, **excluding** the sink; ``-inf`` for empty rows.
@@ -59,6 +65,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
         checks.check_tensor("topk_length", topk_length, shape=(T,), dtypes=INDEX_DTYPES, device=q.device)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if output_rope is not None:
+        _check_output_rope(output_rope, T, D, q.device)
     scale = checks.check_scale(softmax_scale, D)
     if checks.values_readable():                    # the debug mode ("values"): raise where the default masks
         if isinstance(indices, torch.Tensor):
@@ -77,8 +85,20 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
 
     if backend.choose("sparse_attention", q.device) == "triton":
         return backend.kernel("sparse_attention")(q, kv, indices, attn_sink, scale, topk_length=topk_length,
-                                                  deterministic=deterministic)
-    return run(q, kv, indices, attn_sink, scale, topk_length, deterministic, "reference")
+                                                  deterministic=deterministic, output_rope=output_rope)
+    return run(q, kv, indices, attn_sink, scale, topk_length, deterministic, "reference", output_rope)
+
+
+def _check_output_rope(output_rope, T: int, D: int, device) -> None:
+    if not (isinstance(output_rope, (tuple, list)) and len(output_rope) == 2):
+        raise TypeError(f"output_rope must be a (positions, inv_freq) pair of tensors, got "
+                        f"{type(output_rope).__name__}")
+    positions, inv_freq = output_rope
+    checks.check_tensor("output_rope positions", positions, shape=(T,), dtypes=INDEX_DTYPES, device=device)
+    checks.check_tensor("output_rope inv_freq", inv_freq, dim=1, dtypes=(torch.float32, torch.float64))
+    if 2 * inv_freq.shape[0] > D:
+        raise ValueError(f"output_rope inv_freq of length {inv_freq.shape[0]} rotates {2 * inv_freq.shape[0]} "
+                         f"channels, more than q's head dim {D}")
 
 
 def _check_topk_length_range(topk_length: torch.Tensor, width: int) -> None:

@@ -77,11 +77,28 @@ if IMPORTED:
     BLOCK_H_C = gl.constexpr(BLOCK_H)
 
     @gluon.jit
-    def _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, col0: gl.constexpr, staging, D: gl.constexpr,
-                WRITE_LSE: gl.constexpr):
+    def _rotate_back(x, COS, SIN, t, col0: gl.constexpr, D: gl.constexpr, ROPE: gl.constexpr):
+        # x (64, W) fp32: columns [col0, col0 + W) of the 64 heads of row t. The pairs of the last 2 * ROPE channels
+        # rotate by -angle (COS / SIN: (T, ROPE) fp32 tables), the others pass. A pair's two channels are
+        # neighbours in one thread's registers in the wgmma layout, so the split and join move no data.
+        M: gl.constexpr = x.shape[0]
+        W: gl.constexpr = x.shape[1]
+        even, odd = gl.split(gl.reshape(x, [M, W // 2, 2]))
+        j = col0 // 2 - (D // 2 - ROPE) + gl.arange(0, W // 2, layout=gl.SliceLayout(0, even.type.layout))
+        rot = j >= 0
+        cos = gl.load(COS + t * ROPE + gl.where(rot, j, 0), mask=rot, other=1.0)[None, :]
+        sin = gl.load(SIN + t * ROPE + gl.where(rot, j, 0), mask=rot, other=0.0)[None, :]
+        even_r = gl.where(rot[None, :], even * cos + odd * sin, even)
+        odd_r = gl.where(rot[None, :], odd * cos - even * sin, odd)
+        return gl.reshape(gl.join(even_r, odd_r), [M, W])
+
+    @gluon.jit
+    def _finish(acc, m_i, l_i, SINK, OUT, LSE, COS, SIN, t, H, hb, col0: gl.constexpr, staging, D: gl.constexpr,
+                WRITE_LSE: gl.constexpr, ROPE: gl.constexpr):
         # Sink in the denominator only: out = acc / (l + 2^(sink log2e - m)); rows without keys (l == 0) give 0.
         # ``acc`` holds output columns [col0, col0 + its width) of the 64 heads of head block ``hb``; it goes out
-        # through ``staging`` (store_heads).
+        # through ``staging`` (store_heads), rotated back first where those columns hold RoPE channels (ROPE > 0:
+        # the layer's inverse RoPE, one rounding after it).
         row_layout: gl.constexpr = m_i.type.layout
         o_layout: gl.constexpr = acc.type.layout
         h_s = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=row_layout)
@@ -95,6 +112,8 @@ if IMPORTED:
             gl.store(LSE + t * H + h_s, lse)
         scale_o = gl.where(has_keys, 1.0 / denom, 0.0)
         out = acc * gl.convert_layout(scale_o, gl.SliceLayout(1, o_layout))[:, None]
+        if ROPE > 0 and col0 + acc.shape[1] > D - 2 * ROPE:
+            out = _rotate_back(out, COS, SIN, t, col0, D, ROPE)
         store_heads(out, OUT, t, H, hb, col0, staging, D)
 
     @gluon.jit
@@ -147,8 +166,9 @@ if IMPORTED:
         return l_i, m_i, acc
 
     @gluon.jit
-    def _pp_consumer(IDX, NEND, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats, full, empty,
-                     pready, pfree, W: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _pp_consumer(IDX, NEND, SINK, OUT, LSE, COS, SIN, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats,
+                     full, empty, pready, pfree, W: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, ROPE: gl.constexpr):
         # Ping-pong schedule, consumer warpgroup W: owns output columns [W * D/2, (W+1) * D/2) and the softmax of
         # blocks b with b % 2 == W (_pp_publish); every block, both warpgroups rescale and add P V for their columns.
         # The softmaxes run one after the other (block b's needs block b - 1's running max): the pace is set by
@@ -221,13 +241,13 @@ if IMPORTED:
         # the other's P (after the other's Q K^T); the other consumer waited for the last block's P. (nb >= 1: with
         # no block, both consumers would take "block -1" over and wait on barriers out of range; launch_fwd handles
         # K = 0.)
-        _finish(acc, m_i, l_i, SINK, OUT, LSE, t, H, hb, W * HALF, q_all.index(0).slice(W * HALF, HALF, dim=1), D,
-                W == 0)
+        _finish(acc, m_i, l_i, SINK, OUT, LSE, COS, SIN, t, H, hb, W * HALF,
+                q_all.index(0).slice(W * HALF, HALF, dim=1), D, W == 0, ROPE)
 
     @gluon.jit
-    def _sparse_attn_fwd_gluon(Q, KV, IDX, NEND, SINK, OUT, LSE, H, K, qk_scale_log2,
+    def _sparse_attn_fwd_gluon(Q, KV, IDX, NEND, SINK, OUT, LSE, COS, SIN, H, K, qk_scale_log2,
                                D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                               num_warps: gl.constexpr, REGS: gl.constexpr):
+                               num_warps: gl.constexpr, REGS: gl.constexpr, ROPE: gl.constexpr):
         # Three warpgroups: this partition and a worker are the consumers (_pp_consumer), a worker gathers.
         t, hb = program_row(H)
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -243,10 +263,10 @@ if IMPORTED:
         pready = mbarriers(2, 1)
         pfree = mbarriers(2, 2)
         gl.warp_specialize([
-            (_pp_consumer, (IDX, NEND, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats, full,
-                            empty, pready, pfree, gl.constexpr(0), D, BLOCK_N, STAGES)),
-            (_pp_consumer, (IDX, NEND, SINK, OUT, LSE, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf, stats, full,
-                            empty, pready, pfree, gl.constexpr(1), D, BLOCK_N, STAGES)),
+            (_pp_consumer, (IDX, NEND, SINK, OUT, LSE, COS, SIN, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf,
+                            stats, full, empty, pready, pfree, gl.constexpr(0), D, BLOCK_N, STAGES, ROPE)),
+            (_pp_consumer, (IDX, NEND, SINK, OUT, LSE, COS, SIN, H, K, qk_scale_log2, t, hb, q_all, ring, p_buf,
+                            stats, full, empty, pready, pfree, gl.constexpr(1), D, BLOCK_N, STAGES, ROPE)),
             (_fwd_producer, (Q, KV, IDX, NEND, H, K, t, hb, q_all.index(0), ring, full, empty, D, BLOCK_N,
                              STAGES))],
             [4, 4], [REGS[0], REGS[1]])
@@ -323,18 +343,21 @@ def checked_config(config, what: str, defaults: dict = FWD_CONFIG, block_ns: tup
     return cfg
 
 
-def launch_fwd(q, kv, idx, sink, out, lse, scale, config=None):
+def launch_fwd(q, kv, idx, sink, out, lse, scale, config=None, rope=None):
     """Fills ``out`` (T, H, D) and ``lse`` (T, H) for T >= 1 rows and a kv of >= 1 row (the caller,
-    :func:`.triton._sparse_attn_fwd`, allocates them and handles the empty cases). ``config``: FWD_CONFIG keys."""
+    :func:`.triton._sparse_attn_fwd`, allocates them and handles the empty cases). ``config``: FWD_CONFIG keys.
+    ``rope``: None or the (T, R/2) fp32 (cos, sin) tables: ``out`` rotated back by -angle on its last R channels."""
     cfg = checked_config(config, "Gluon forward config")
     T, H, D = q.shape
     if idx.shape[1] == 0:       # every row empty (the kernel's consumers need at least one block)
         out.zero_()
         lse.fill_(float("-inf"))
         return
+    cos, sin = rope if rope is not None else (q, q)        # never read without RoPE channels (ROPE = 0)
     _sparse_attn_fwd_gluon[(T * (H // BLOCK_H),)](
-        q, kv, idx, row_ends(idx), sink, out, lse, H, idx.shape[1], scale * LOG2E,
-        D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
+        q, kv, idx, row_ends(idx), sink, out, lse, cos, sin, H, idx.shape[1], scale * LOG2E,
+        D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]),
+        ROPE=0 if rope is None else cos.shape[1])
 
 
 def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None):

@@ -18,7 +18,8 @@ Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_
   slot (:func:`dsv4attn.ops.gluon_common.row_blocks`; loaded once and handed to the partitions: loaded in each, it
   took the dKV warpgroup from 60 to 540 bytes of spills, ptxas of Triton 3.6) into a one-stage ring
   (:func:`dsv4attn.ops.gluon_common.ring_gather`; q, dO and the tile take 192 KiB, so one stage is all that fits);
-- softmax warpgroup (the default partition): S and dP (asynchronous wgmma, back to back), P and dS in registers,
+- softmax warpgroup (the default partition): with the forward's output rotation (``output_rope``), first rotates the
+  RoPE columns of dO forward in shared memory; then per tile S and dP (asynchronous wgmma, back to back), P and dS in registers,
   stored to the tile's P / dS buffers (two of each, alternating by tile) for the dKV warpgroup, then
   dQ[:, :D/2] += dS KV[:, :D/2]; releases the kv stage;
 - dKV warpgroup: dQ[:, D/2:] += dS KV[:, D/2:], releases the kv stage (the producer's next gather then runs under
@@ -50,6 +51,12 @@ BWD_CONFIG = dict(REGS=(224, 40), CHUNK=64)
 SHARED_MEMORY_BYTES = 232448                   # the most one SM90 thread block may allocate
 
 
+def rotated_width(pairs: int) -> int:
+    """Columns of dO's tail that the kernel rotates for ``pairs`` RoPE pairs: a power of two (a register tile),
+    at least 64 (128 bytes, one swizzle row of the shared-memory layout); the non-RoPE columns among them pass."""
+    return max(64, 1 << max(0, 2 * pairs - 1).bit_length())
+
+
 def check(q: torch.Tensor) -> tuple[bool, str]:
     """(usable, reason) of :func:`launch` for ``q`` (SM90, Gluon, bf16/fp16, H % 64 == 0, D = 512)."""
     usable, reason = gluon_hopper.check(q)
@@ -74,8 +81,25 @@ if IMPORTED:
         ring_gather(KV, IDX, K, nb, t, ring, full, empty, D, BLOCK_N, 1)
 
     @gluon.jit
-    def _bwd_softmax(IDX, nb, DQ, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring, p_buf,
-                     ds_buf, full, empty, pready, pfree, D: gl.constexpr, BLOCK_N: gl.constexpr):
+    def _rotate_do(do_smem, COS, SIN, t, D: gl.constexpr, ROPE: gl.constexpr, RW: gl.constexpr):
+        # The last RW columns of dO (64 heads) in shared memory, rotated forward (+angle) in place where they are
+        # RoPE channels (the last 2 * ROPE of D; COS / SIN: (T, ROPE) fp32 tables), rounded back to dO's dtype:
+        # the gradient of the attention's own output when the forward rotated it back (output_rope).
+        layout: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
+        x = do_smem.load(layout).to(gl.float32)
+        even, odd = gl.split(gl.reshape(x, [BLOCK_H_C, RW // 2, 2]))
+        j = (D - RW) // 2 - (D // 2 - ROPE) + gl.arange(0, RW // 2, layout=gl.SliceLayout(0, even.type.layout))
+        rot = j >= 0
+        cos = gl.load(COS + t * ROPE + gl.where(rot, j, 0), mask=rot, other=1.0)[None, :]
+        sin = gl.load(SIN + t * ROPE + gl.where(rot, j, 0), mask=rot, other=0.0)[None, :]
+        even_r = gl.where(rot[None, :], even * cos - odd * sin, even)
+        odd_r = gl.where(rot[None, :], odd * cos + even * sin, odd)
+        do_smem.store(gl.reshape(gl.join(even_r, odd_r), [BLOCK_H_C, RW]).to(do_smem.dtype))
+
+    @gluon.jit
+    def _bwd_softmax(IDX, nb, DQ, DENOM2, DELTA, COS, SIN, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring,
+                     p_buf, ds_buf, full, empty, pready, pfree, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                     ROPE: gl.constexpr, RW: gl.constexpr):
         HALF: gl.constexpr = D // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -87,6 +111,13 @@ if IMPORTED:
         s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
         dq = gl.zeros([BLOCK_H_C, HALF], gl.float32, layout=q_layout)
         row_base = t * K
+        if ROPE > 0:
+            # dO has arrived with the first tile. Rotated before this warpgroup's first dP product; the dKV
+            # warpgroup reads dO only after this one's first P / dS (pready), so it sees the rotated values.
+            mbarrier.wait(full.index(0), 0)
+            _rotate_do(do_all.index(0).slice(D - RW, RW, dim=1), COS, SIN, t, D, ROPE, RW)
+            fence_async_shared()
+            gluon_common.thread_barrier()
         for b in range(nb):
             # Shared-memory operands through a block-dependent zero index z (see gluon_hopper._pp_consumer: with
             # loop-invariant bases the compiler hoists the wgmma descriptors out of the loop and spills them).
@@ -164,9 +195,9 @@ if IMPORTED:
         store_heads(dq, DQ, t, H, hb, HALF, ring.index(0).slice(HALF, HALF, dim=1), D)
 
     @gluon.jit
-    def _sparse_attn_bwd_gluon(Q, DO, KV, IDX, NEND, DENOM2, DELTA, DQ, DKV, H, K, qk_scale_log2, scale,
+    def _sparse_attn_bwd_gluon(Q, DO, KV, IDX, NEND, DENOM2, DELTA, DQ, DKV, COS, SIN, H, K, qk_scale_log2, scale,
                                D: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr,
-                               REGS: gl.constexpr):
+                               REGS: gl.constexpr, ROPE: gl.constexpr, RW: gl.constexpr):
         t, hb = program_row(H)
         nb = row_blocks(NEND, t, BLOCK_N)       # up to the row's last valid slot
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -183,8 +214,8 @@ if IMPORTED:
         pready = mbarriers(2, 1)
         pfree = mbarriers(2, 1)
         gl.warp_specialize([
-            (_bwd_softmax, (IDX, nb, DQ, DENOM2, DELTA, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring,
-                            p_buf, ds_buf, full, empty, pready, pfree, D, BLOCK_N)),
+            (_bwd_softmax, (IDX, nb, DQ, DENOM2, DELTA, COS, SIN, H, K, qk_scale_log2, scale, t, hb, q_all, do_all,
+                            ring, p_buf, ds_buf, full, empty, pready, pfree, D, BLOCK_N, ROPE, RW)),
             (_bwd_dkv, (IDX, nb, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready,
                         pfree, D, BLOCK_N, CHUNK)),
             (_bwd_producer, (Q, DO, KV, IDX, nb, H, K, t, hb, q_all.index(0), do_all.index(0), ring, full, empty, D,
@@ -192,9 +223,10 @@ if IMPORTED:
             [4, 4], [REGS[0], REGS[1]])
 
 
-def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None):
+def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None, rope=None):
     """Fills ``dq`` (T, H, D) and adds to ``dkv`` (N, D) fp32 (module docstring; T >= 1, N >= 1).
-    ``config``: :data:`BWD_CONFIG` keys."""
+    ``config``: :data:`BWD_CONFIG` keys. ``rope``: None or the (T, R/2) fp32 (cos, sin) tables of the forward's
+    output rotation: ``do`` is in that frame and is rotated forward once it is in shared memory."""
     unknown = sorted(set(config or {}) - set(BWD_CONFIG))
     if unknown:
         raise ValueError(f"Gluon backward config: unknown keys {unknown}; expected some of {sorted(BWD_CONFIG)}")
@@ -205,8 +237,11 @@ def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None):
         dq.zero_()
         return
     acc = torch.zeros_like(dkv)                 # dKV with each 16-column group permuted (see _bwd_dkv)
+    cos, sin = rope if rope is not None else (q, q)        # never read without RoPE channels (ROPE = 0)
+    pairs = 0 if rope is None else cos.shape[1]
     _sparse_attn_bwd_gluon[(T * (H // BLOCK_H),)](
-        q, do, kv, idx, row_ends(idx), denom2, delta, dq, acc, H, K, scale * LOG2E, scale,
-        D=D, BLOCK_N=BLOCK_N, CHUNK=cfg["CHUNK"], num_warps=4, REGS=tuple(cfg["REGS"]))
+        q, do, kv, idx, row_ends(idx), denom2, delta, dq, acc, cos, sin, H, K, scale * LOG2E, scale,
+        D=D, BLOCK_N=BLOCK_N, CHUNK=cfg["CHUNK"], num_warps=4, REGS=tuple(cfg["REGS"]), ROPE=pairs,
+        RW=rotated_width(pairs))
     add_unpermuted(dkv, acc)
 

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from ... import backend
+from ...rope import apply_rope
 from ..index_sets import Explicit, IndexSet, chunk_rows
 from .reference import reference_backward, reference_forward, sparse_attention_reference
 
@@ -47,26 +48,39 @@ def _kernels(q: torch.Tensor, impl: str):
     return _triton if impl == "triton" and _triton is not None and _triton[0](q) else None
 
 
+def _rope(positions: Optional[torch.Tensor], inv_freq: Optional[torch.Tensor]):
+    """(positions, inv_freq) of the output rotation, or None (no rotation asked for, or no RoPE channels)."""
+    return None if positions is None or inv_freq is None or inv_freq.shape[0] == 0 else (positions, inv_freq)
+
+
 @torch.library.custom_op("dsv4attn::sparse_attention", mutates_args=())
 def sparse_attention_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, attn_sink: torch.Tensor,
                         softmax_scale: float, topk_length: Optional[torch.Tensor], deterministic: bool,
-                        impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+                        impl: str, rope_positions: Optional[torch.Tensor] = None,
+                        rope_inv_freq: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of :func:`dsv4attn.ops.sparse_attention` for (T, K) tensor indices, arguments already checked.
 
     ``deterministic`` only affects the backward; ``impl`` names the backend ("reference" or "triton").
+    ``rope_positions`` (T,) and ``rope_inv_freq`` (R/2,): the output comes rotated back by ``-positions * inv_freq``
+    on its last R channels (``output_rope``: the kernels rotate before their one rounding, the reference rounds,
+    then rotates with :func:`dsv4attn.rope.apply_rope`).
     Returns out (T, H, D) ``q.dtype`` and lse (T, H) fp32 (fp64 for fp64 ``q``), both contiguous.
     """
     idx = limit_slots(indices, topk_length)
+    rope = _rope(rope_positions, rope_inv_freq)
     with backend.exact_math(q.device):
         kernels = _kernels(q, impl)
         if kernels is not None:
-            return kernels[1](q, kv, idx, attn_sink, softmax_scale)
+            return kernels[1](q, kv, idx, attn_sink, softmax_scale, rope)
         out, lse = reference_forward(q, kv, Explicit(idx), attn_sink, softmax_scale)
+        if rope is not None:
+            out = apply_rope(out, *rope, inverse=True)
         return out.contiguous(), lse
 
 
 @sparse_attention_op.register_fake
-def _sparse_attention_fake(q, kv, indices, attn_sink, softmax_scale, topk_length, deterministic, impl):
+def _sparse_attention_fake(q, kv, indices, attn_sink, softmax_scale, topk_length, deterministic, impl,
+                           rope_positions=None, rope_inv_freq=None):
     T, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((T, H), dtype=torch.promote_types(q.dtype, torch.float32))
 
@@ -75,54 +89,67 @@ def _sparse_attention_fake(q, kv, indices, attn_sink, softmax_scale, topk_length
 def sparse_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                                  attn_sink: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, softmax_scale: float,
                                  topk_length: Optional[torch.Tensor], deterministic: bool,
-                                 impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                 impl: str, rope_positions: Optional[torch.Tensor] = None,
+                                 rope_inv_freq: Optional[torch.Tensor] = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq ``q.dtype``, dkv ``kv.dtype``, d_attn_sink ``attn_sink.dtype`` from the forward's saved ``out`` and ``lse``
     (the one-pass GPU backward forms Delta = rowsum(dO * out) from ``out``; the other backends recompute it).
 
+    With the output rotation, ``grad_out`` and ``out`` are in the rotated frame: the gradient is rotated forward
+    (by ``+positions * inv_freq``, rounded to its dtype) before the attention's backward; Delta, a sum of per-head
+    dot products, is the same in either frame, so the kernels' pre-pass forms it from the two as given.
     ``deterministic=True`` makes the Triton backward atomic-free (bitwise repeatable); the reference always is.
     """
     idx = limit_slots(indices, topk_length)
+    rope = _rope(rope_positions, rope_inv_freq)
     with backend.exact_math(q.device):
         kernels = _kernels(q, impl)
         if kernels is not None:
-            return kernels[2](grad_out, q, kv, idx, attn_sink, out, lse, softmax_scale, deterministic)
+            return kernels[2](grad_out, q, kv, idx, attn_sink, out, lse, softmax_scale, deterministic, rope)
+        if rope is not None:
+            grad_out = apply_rope(grad_out, *rope)
         dq, dkv, dsink = reference_backward(grad_out, q, kv, Explicit(idx), attn_sink, lse, softmax_scale)
         return dq.contiguous(), dkv.contiguous(), dsink.contiguous()
 
 
 @sparse_attention_backward_op.register_fake
 def _sparse_attention_backward_fake(grad_out, q, kv, indices, attn_sink, out, lse, softmax_scale, topk_length,
-                                    deterministic, impl):
+                                    deterministic, impl, rope_positions=None, rope_inv_freq=None):
     return q.new_empty(q.shape), kv.new_empty(kv.shape), attn_sink.new_empty(attn_sink.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, kv, indices, attn_sink, softmax_scale, topk_length, deterministic, impl = inputs
-    ctx.save_for_backward(q, kv, indices, attn_sink, output[0], output[1], topk_length)
+    q, kv, indices, attn_sink, softmax_scale, topk_length, deterministic, impl, positions, inv_freq = inputs
+    ctx.save_for_backward(q, kv, indices, attn_sink, output[0], output[1], topk_length, positions, inv_freq)
     ctx.softmax_scale, ctx.deterministic, ctx.impl = softmax_scale, deterministic, impl
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, kv, indices, attn_sink, out, lse, topk_length = ctx.saved_tensors
+    q, kv, indices, attn_sink, out, lse, topk_length, positions, inv_freq = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(q)
     dq, dkv, dsink = sparse_attention_backward_op(grad_out, q, kv, indices, attn_sink, out, lse, ctx.softmax_scale,
-                                                  topk_length, ctx.deterministic, ctx.impl)
-    return dq, dkv, None, dsink, None, None, None, None
+                                                  topk_length, ctx.deterministic, ctx.impl, positions, inv_freq)
+    return dq, dkv, None, dsink, None, None, None, None, None, None
 
 
 sparse_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 
-def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: bool, impl: str):
-    """The op on backend ``impl`` for tensor or :class:`IndexSet` indices (arguments already checked)."""
+def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: bool, impl: str, output_rope=None):
+    """The op on backend ``impl`` for tensor or :class:`IndexSet` indices (arguments already checked);
+    ``output_rope``: None or (positions, inv_freq) of the output's inverse RoPE."""
+    positions, inv_freq = output_rope if output_rope is not None else (None, None)
     with backend.exact_math(q.device):
         if isinstance(indices, IndexSet):
             index_set = indices if topk_length is None else _FirstSlots(indices, topk_length)
             if impl == "reference":                 # chunk by chunk: never materialises (T, K) indices
-                return sparse_attention_reference(q, kv, index_set, attn_sink, scale)
+                out, lse = sparse_attention_reference(q, kv, index_set, attn_sink, scale)
+                if _rope(positions, inv_freq) is not None:
+                    out = apply_rope(out, positions, inv_freq, inverse=True)
+                return out, lse
             # The kernels take (rows, K) tensors: materialise them one chunk of query rows at a time, so that a
             # wide set (every visible compressed entry of a long document) never becomes a (T, K) tensor.
             chunks = list(chunk_rows(q.shape[0], index_set.width, device=q.device)) or [(0, 0)]
@@ -130,12 +157,14 @@ def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: boo
             # copy of the whole of q per chunk, 2 GiB each at T = 32K with 64 heads of 512, even for q[0:T].
             pieces = [q] if len(chunks) == 1 else q.split([e - s for s, e in chunks])
             parts = [sparse_attention_op(piece, kv, index_set.rows(s, e).to(torch.int32), attn_sink, scale, None,
-                                         deterministic, impl)
+                                         deterministic, impl, None if positions is None else positions[s:e],
+                                         inv_freq)
                      for piece, (s, e) in zip(pieces, chunks)]
             if len(parts) == 1:
                 return parts[0]
             return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
-        return sparse_attention_op(q, kv, indices, attn_sink, scale, topk_length, deterministic, impl)
+        return sparse_attention_op(q, kv, indices, attn_sink, scale, topk_length, deterministic, impl, positions,
+                                   inv_freq)
 
 
 class _FirstSlots(IndexSet):

@@ -73,12 +73,15 @@ def reference_forward(q, kv, index_set: IndexSet, attn_sink, scale: float):
     return out, lse
 
 
-def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, scale: float, out=None):
+def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, scale: float, out=None,
+                       delta_grad_out=None):
     """dq (T, H, D) ``q.dtype``, dkv (N, D) ``kv.dtype``, d_sink (H,) ``attn_sink.dtype`` from the saved ``lse``.
 
     ``out`` given (the forward's output in its dtype): Delta = rowsum(dO * out) in the compute dtype, the way the
     one-pass GPU backward forms it (and FlashAttention, cuDNN). The low-precision error bounds of that kernel compare
     it with this mode, so both run the same algorithm. Otherwise Delta comes from the compute-dtype probabilities.
+    ``delta_grad_out``: the gradient that pairs with ``out`` in Delta when the two are in another frame than
+    ``grad_out`` (the output rotation: the kernels form Delta from the rotated output and its gradient as given).
     """
     T, H, D = q.shape
     cd = _compute_dtype(q)
@@ -99,7 +102,8 @@ def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, sca
         if out is None:
             delta = (p * dp).sum(-1)                                    # (c, H): dO . out from the probabilities
         else:
-            delta = (do * out[s:e].to(cd)).sum(-1)
+            paired = do if delta_grad_out is None else delta_grad_out[s:e].to(cd)
+            delta = (paired * out[s:e].to(cd)).sum(-1)
         dz = p * (dp - delta[..., None])
         dq[s:e] = scale * torch.einsum("chk,ckd->chd", dz, keys)
         dkeys = scale * torch.einsum("chk,chd->ckd", dz, q[s:e].to(cd)) + torch.einsum("chk,chd->ckd", p, do)

@@ -42,7 +42,8 @@ import triton.language as tl
 
 from ... import backend, variants
 from ..gluon_common import sm90
-from ..triton_common import dot, dot_mode, launch_fitting, round_to
+from ...rope import rope_cos_sin
+from ..triton_common import dot, dot_mode, interpreting, launch_fitting, round_to
 from ..index_sets import IndexSet, row_ends
 from .op import register_triton, run
 from .segment_sum import add_rows_by_key
@@ -98,12 +99,35 @@ DETERMINISTIC_BUFFER_ELEMENTS = 1 << 27
 
 
 @triton.jit
+def rotate_pairs(x, cos, sin, rot):
+    """The interleaved channel pairs of ``x`` (M, W) fp32 rotated where ``rot`` (1, W/2): ``(e, o) -> (e cos - o sin,
+    o cos + e sin)`` with cos / sin of shape (1 or M, W/2) (a rotation by -angle passes -sin). Pairs outside ``rot``
+    pass untouched (``where``, so that an infinite partner cannot leak into them)."""
+    M: tl.constexpr = x.shape[0]
+    W: tl.constexpr = x.shape[1]
+    even, odd = tl.split(tl.reshape(x, [M, W // 2, 2]))
+    even_r = tl.where(rot, even * cos - odd * sin, even)
+    odd_r = tl.where(rot, odd * cos + even * sin, odd)
+    return tl.reshape(tl.join(even_r, odd_r), [M, W])
+
+
+@triton.jit
+def rope_pairs(col0, W: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
+    """(W/2,) index into a RoPE table row of the channel pairs of columns [col0, col0 + W) of a D-wide vector whose
+    last 2 * ROPE channels rotate, and whether each pair rotates."""
+    j = col0 // 2 + tl.arange(0, W // 2) - (D // 2 - ROPE)
+    return tl.where(j >= 0, j, 0), j >= 0
+
+
+@triton.jit
 def _sparse_attn_fwd_kernel(
-    Q, KV, IDX, NEND, SINK, OUT, LSE,
-    H, K, qk_scale_log2,
+    Q, KV, IDX, NEND, SINK, OUT, LSE, COS, SIN,
+    H, K, qk_scale_log2, ROPE: tl.constexpr,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
 ):
+    # ROPE > 0: the output's last 2 * ROPE channels are rotated back by -angle (COS / SIN: (T, ROPE) fp32 tables of
+    # the query rows) before the store: the layer's inverse RoPE, fused.
     # Program order: the value slices and head blocks of one row are adjacent, so they hit the same gathered
     # rows in L2; neighbouring rows (which share most of their window) follow.
     NUM_DV: tl.constexpr = D // BLOCK_DV
@@ -164,6 +188,11 @@ def _sparse_attn_fwd_kernel(
     # l != l: a NaN score (NaN in q or kv) reaches out and lse as it does in the reference, not hidden as "no keys".
     has_keys = (l_i > 0) | (l_i != l_i)
     out = tl.where(has_keys[:, None], acc / denom[:, None], 0.0)
+    if ROPE > 0:
+        j, rot = rope_pairs(vb * BLOCK_DV, BLOCK_DV, D, ROPE)
+        cos = tl.load(COS + t * ROPE + j, mask=rot, other=1.0)
+        sin = tl.load(SIN + t * ROPE + j, mask=rot, other=0.0)
+        out = rotate_pairs(out, cos[None, :], -sin[None, :], rot[None, :])
     tl.store(OUT + t * H * D + offs_h[:, None] * D + offs_dv[None, :], round_to(out, OUT, DOT_MODE == 2),
              mask=h_mask[:, None])
     if vb == 0:
@@ -187,9 +216,22 @@ def _put_dkv(DKV, dkv, row_off, slot, valid, in_row, offs_c, D: tl.constexpr, DE
 
 
 @triton.jit
+def _load_do(DO, offs, h_mask, COS, SIN, t, col0, D: tl.constexpr, ROPE: tl.constexpr, DOT_MODE: tl.constexpr):
+    """dO (BLOCK_H, W) at ``DO + offs`` (columns [col0, col0 + W) of row t), rotated forward where ROPE > 0 and
+    rounded back to dO's dtype."""
+    do = tl.load(DO + offs, mask=h_mask[:, None], other=0.0)
+    if ROPE > 0:
+        j, rot = rope_pairs(col0, do.shape[1], D, ROPE)
+        cos = tl.load(COS + t * ROPE + j, mask=rot, other=1.0)
+        sin = tl.load(SIN + t * ROPE + j, mask=rot, other=0.0)
+        do = round_to(rotate_pairs(do.to(tl.float32), cos[None, :], sin[None, :], rot[None, :]), DO, DOT_MODE == 2)
+    return do
+
+
+@triton.jit
 def _sparse_attn_bwd_rows_kernel(
-    Q, KV, IDX, NEND, DO, DENOM2, DELTA, DQ, DKV,
-    H, K, ROWS, scale, qk_scale_log2,
+    Q, KV, IDX, NEND, DO, DENOM2, DELTA, DQ, DKV, COS, SIN,
+    H, K, ROWS, scale, qk_scale_log2, ROPE: tl.constexpr,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
     DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, DETERMINISTIC: tl.constexpr,
     RELAXED: tl.constexpr, DKV_BLOCK_D: tl.constexpr,
@@ -203,6 +245,8 @@ def _sparse_attn_bwd_rows_kernel(
     #               DETERMINISTIC plain stores into the (NUM_HB, ROWS, K, D) per-slot buffer (segment_sum.py).
     #               DKV_BLOCK_D < D forms the BLOCK_N x D dKV tile in column chunks, reading q and dO chunks
     #               again (L1 / L2 hits) instead of the hoisted tiles: fewer registers and less shared memory.
+    # ROPE > 0 (the forward rotated its output back, output_rope): dO arrives in that frame and is rotated forward
+    # (+angle) as it is loaded, rounded to its dtype (COS / SIN: (ROWS, ROPE) fp32 tables of these rows).
     pid = tl.program_id(0)
     hb = pid % NUM_HB
     t = (pid // NUM_HB).to(tl.int64)
@@ -212,7 +256,7 @@ def _sparse_attn_bwd_rows_kernel(
     offs_d = tl.arange(0, D)
     head_off = t * H * D + offs_h[:, None] * D + offs_d[None, :]
     q_all = tl.load(Q + head_off, mask=h_mask[:, None], other=0.0)
-    do_all = tl.load(DO + head_off, mask=h_mask[:, None], other=0.0)
+    do_all = _load_do(DO, head_off, h_mask, COS, SIN, t, 0, D, ROPE, DOT_MODE)
     # log2 of the full denominator logaddexp(lse, sink); padded heads get p = 0 through the mask below.
     denom2 = tl.load(DENOM2 + t * H + offs_h, mask=h_mask, other=0.0)
 
@@ -251,7 +295,7 @@ def _sparse_attn_bwd_rows_kernel(
                         offs_c = c0 + tl.arange(0, DKV_BLOCK_D)
                         chunk_off = t * H * D + offs_h[:, None] * D + offs_c[None, :]
                         q_c = tl.load(Q + chunk_off, mask=h_mask[:, None], other=0.0)
-                        do_c = tl.load(DO + chunk_off, mask=h_mask[:, None], other=0.0)
+                        do_c = _load_do(DO, chunk_off, h_mask, COS, SIN, t, c0, D, ROPE, DOT_MODE)
                         dkv = dot(dz_t, q_c, DOT_MODE)
                         dkv += dot(p_t, do_c, DOT_MODE)
                         _put_dkv(DKV, dkv, row_off, slot, valid, n < K, offs_c, D, DETERMINISTIC, RELAXED)
@@ -321,8 +365,21 @@ def forward_kernel(q: torch.Tensor, config: dict | None = None) -> str:
     return variants.choose("sparse_attention", "forward", (q.shape[2], q.dtype), q, request=request)
 
 
-def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
-    """q (T, H, D), kv (N, D), idx (T, K) int32, sink (H,) fp32 -> out (T, H, D) q.dtype, lse (T, H) fp32."""
+def _tables(q: torch.Tensor, rope):
+    """(COS, SIN, ROPE) kernel arguments of the output rotation ``rope`` ((T, R/2) fp32 cos and sin, or None):
+    with none, q stands in for the tables (never read: ROPE = 0), so no empty tensor's null pointer is handed over."""
+    return (q, q, 0) if rope is None else (rope[0], rope[1], rope[0].shape[1])
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor):
+    """(T, R/2) fp32 cos and sin of the output rotation, from float64 angles (the reference's values)."""
+    cos, sin = rope_cos_sin(positions, inv_freq, torch.float32)
+    return cos.contiguous(), sin.contiguous()
+
+
+def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None, rope=None):
+    """q (T, H, D), kv (N, D), idx (T, K) int32, sink (H,) fp32 -> out (T, H, D) q.dtype, lse (T, H) fp32.
+    ``rope``: None or the (T, R/2) fp32 (cos, sin) tables of the output's inverse RoPE (:func:`rope_tables`)."""
     T, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
@@ -333,7 +390,7 @@ def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
     rest = {k: v for k, v in (config or {}).items() if k != "KERNEL"}
     if forward_kernel(q, config) == "gluon":
         try:
-            gluon_hopper.launch_fwd(q, kv, idx, sink, out, lse, scale, rest)
+            gluon_hopper.launch_fwd(q, kv, idx, sink, out, lse, scale, rest, rope)
             return out, lse
         except Exception as exc:
             if variants.strict(config.get("KERNEL") if config else None):   # "gluon" asked for: raise
@@ -341,14 +398,16 @@ def _sparse_attn_fwd(q, kv, idx, sink, scale, config=None):
             variants.note_gluon_build_failure(exc, "sparse_attention", "forward", (D, q.dtype),
                                               "using the Triton kernel")
             rest = {}
+    cos, sin, pairs = _tables(q, rope)
     _launch(_sparse_attn_fwd_kernel, lambda grid, meta: grid, q, rest or FWD_CONFIGS[D],
-            (q, kv, idx, row_ends(idx), sink, out, lse, H, idx.shape[1], scale * LOG2E))
+            (q, kv, idx, row_ends(idx), sink, out, lse, cos, sin, H, idx.shape[1], scale * LOG2E, pairs))
     return out, lse
 
 
 @triton.jit
 def _delta_from_out_kernel(OUT, DO, DELTA, ROWS, D: tl.constexpr, BLOCK_R: tl.constexpr):
-    # Delta = rowsum(dO * out) in fp32 over BLOCK_R of the T * H (row, head) vectors.
+    # Delta = rowsum(dO * out) in fp32 over BLOCK_R of the T * H (row, head) vectors. With the output rotation
+    # (output_rope) out and dO are both in the rotated frame: a rotation keeps dot products, so Delta is the same.
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, D)
     mask = (r < ROWS)[:, None]
@@ -377,10 +436,12 @@ def backward_kernel(q: torch.Tensor, deterministic: bool = False) -> str:
                            request="triton" if deterministic else None)
 
 
-def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, deterministic=False):
+def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, deterministic=False, rope=None):
     """Returns dq (T, H, D) q.dtype, dkv (N, D) fp32, d_sink (H,) fp32.
 
     ``out``: the forward's output (T, H, D), in its dtype: Delta = rowsum(dO * out) comes from it in both backwards.
+    ``rope``: the (cos, sin) tables when the forward rotated its output (``out`` and ``grad_out`` in that frame):
+    the kernels rotate dO forward as they load it (the gradient of the attention's own output, rounded to its dtype).
     ``config``: a BWD_CONFIGS-style dict (its ``LAYOUT`` picks the Triton launches; a config forces the Triton
     kernel); ``deterministic``: no float atomics, bitwise-identical results for identical inputs (module docstring).
     """
@@ -392,25 +453,25 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
     delta = _delta_from_out(out, grad_out)
     if T > 0:
         ran_gluon = (config is None and backward_kernel(q, deterministic) == "gluon"
-                     and _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale))
+                     and _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope))
         if not ran_gluon:
             config = dict(config or BWD_CONFIGS[D])
             layout = config.pop("LAYOUT", None)
             if not isinstance(layout, BwdLayout):
                 raise TypeError(f"backward config LAYOUT must be a BwdLayout (FUSED or SPLIT), got {layout!r}")
-            _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, layout)
+            _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, layout, rope)
     # d_sink = -sum_t p_sink * Delta; p_sink = 0 where the sink is -inf (also on empty rows, where denom = -inf).
     p_sink = torch.where(denom == float("-inf"), 0.0, torch.exp(sink[None, :] - denom))
     d_sink = -(p_sink * delta).sum(0)
     return dq, dkv, d_sink
 
 
-def _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale) -> bool:
+def _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope=None) -> bool:
     """The one-pass Gluon backward into ``dq`` and ``dkv``; False if this Triton cannot build the kernel (warned
     once per D and dtype; the caller then runs the Triton kernel)."""
     kv_read = kv if kv.shape[0] > 0 else kv.new_zeros(1, q.shape[2])   # empty slots are never read
     try:
-        gluon_hopper_bwd.launch(q, grad_out, kv_read, idx, denom2, delta, dq, dkv, scale)
+        gluon_hopper_bwd.launch(q, grad_out, kv_read, idx, denom2, delta, dq, dkv, scale, rope=rope)
     except Exception as exc:
         if variants.strict():
             raise
@@ -426,9 +487,11 @@ def _deterministic_rows(T: int, num_hb: int, K: int, D: int) -> int:
     return max(1, min(T, DETERMINISTIC_BUFFER_ELEMENTS // max(1, num_hb * K * D)))
 
 
-def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, layout: BwdLayout):
+def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, layout: BwdLayout,
+              rope=None):
     """The launches of ``layout`` (:func:`_sparse_attn_bwd_rows_kernel`), in order."""
     T, H, D = q.shape
+    cos, sin, pairs = _tables(q, rope)
     K = idx.shape[1]
     kv_read = kv if kv.shape[0] > 0 else kv.new_zeros(1, D)    # empty slots read row 0 (never used, never written)
     n_end = row_ends(idx)
@@ -442,7 +505,7 @@ def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deter
             cfg_det = dict(cfg, DETERMINISTIC=det)
             _launch(_sparse_attn_bwd_rows_kernel, lambda grid, meta: grid, q[s:e], cfg_det,
                     (q[s:e], kv_read, idx[s:e], n_end[s:e], grad_out[s:e], denom2[s:e], delta[s:e], dq[s:e], buf,
-                     H, K, e - s, scale, scale * LOG2E))
+                     cos[s:e], sin[s:e], H, K, e - s, scale, scale * LOG2E, pairs))
 
         if "DKV" in parts and deterministic:
             num_hb = triton.cdiv(H, cfg.get("BLOCK_H") or _block_h(H))     # as _launch_args computes it
@@ -463,26 +526,29 @@ def kernel_supports(q: torch.Tensor) -> bool:
     return q.dtype in KERNEL_DTYPES and q.shape[-1] in SUPPORTED_D
 
 
-def triton_forward(q, kv, idx, attn_sink, scale: float):
-    """The registered op's forward on this backend: idx (T, K) int (-1 = empty) -> out (T, H, D), lse (T, H) fp32."""
+def triton_forward(q, kv, idx, attn_sink, scale: float, rope=None):
+    """The registered op's forward on this backend: idx (T, K) int (-1 = empty) -> out (T, H, D), lse (T, H) fp32.
+    ``rope``: None or (positions, inv_freq) of the output's inverse RoPE."""
     q, kv = q.contiguous(), kv.contiguous()
     idx = idx.to(torch.int32).contiguous()
-    return _sparse_attn_fwd(q, kv, idx, attn_sink.float().contiguous(), scale)
+    tables = None if rope is None else rope_tables(*rope)
+    return _sparse_attn_fwd(q, kv, idx, attn_sink.float().contiguous(), scale, rope=tables)
 
 
-def triton_backward(grad_out, q, kv, idx, attn_sink, out, lse, scale: float, deterministic: bool):
+def triton_backward(grad_out, q, kv, idx, attn_sink, out, lse, scale: float, deterministic: bool, rope=None):
     """The registered op's backward on this backend: dq ``q.dtype``, dkv ``kv.dtype``, d_sink ``attn_sink.dtype``."""
     q, kv = q.contiguous(), kv.contiguous()
     idx = idx.to(torch.int32).contiguous()
     grad_out = torch.zeros_like(q) if grad_out is None else grad_out.to(q.dtype).contiguous()
+    tables = None if rope is None else rope_tables(*rope)
     dq, dkv, d_sink = _sparse_attn_bwd(q, kv, idx, attn_sink.float().contiguous(), out.contiguous(),
-                                       lse.contiguous(), grad_out, scale, deterministic=deterministic)
+                                       lse.contiguous(), grad_out, scale, deterministic=deterministic, rope=tables)
     return dq, dkv.to(kv.dtype), d_sink.to(attn_sink.dtype)
 
 
 def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet,
                             attn_sink: torch.Tensor, scale: float, *, topk_length: torch.Tensor | None = None,
-                            deterministic: bool = False):
+                            deterministic: bool = False, output_rope=None):
     """Triton implementation behind :func:`dsv4attn.ops.sparse_attention` (arguments already checked).
 
     Args:
@@ -494,6 +560,7 @@ def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Te
         scale: softmax scale.
         topk_length: optional (T,) slot counts per row (FlashMLA's ``topk_length``).
         deterministic: backward without float atomics (bitwise repeatable).
+        output_rope: None or (positions, inv_freq): the output's inverse RoPE, in the forward's epilogue.
     Returns:
         out (T, H, D) ``q.dtype`` (0 for rows without a valid index) and lse (T, H) fp32, natural log, excluding
         the sink, ``-inf`` for empty rows. Differentiable in q, kv and attn_sink.
@@ -503,7 +570,7 @@ def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Te
     backend.
     """
     impl = "triton" if kernel_supports(q) and kv.shape[0] > 0 else "reference"
-    return run(q, kv, indices, attn_sink, float(scale), topk_length, deterministic, impl)
+    return run(q, kv, indices, attn_sink, float(scale), topk_length, deterministic, impl, output_rope)
 
 
 variants.register(
