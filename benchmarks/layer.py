@@ -9,10 +9,12 @@ the case starts (after garbage collection): anything but the inputs there means 
 the document length (``--doc-len``; the batch is T / doc documents back to back).
 
 ``--breakdown`` records the arguments of every op call the timed step makes (compressor pooling, indexer top-k,
-sparse attention, indexer KL) and replays each call on its own, forward and forward + backward, median of 3.
-"q-norm + RoPE, inverse RoPE" are the elementwise passes over the (T, H, D) queries and attention output. "rest" is
-the layer's forward + backward minus those ops: the projections, norms, the kv and compressed RoPE and the output
-projection.
+sparse attention, indexer KL) and replays each call on its own, forward and forward + backward, median of 3 (the
+upstream gradient is drawn once, outside the timed runs: drawn inside each, a (T, 64, 512) gradient's cost counted
+as the op's).
+"q-norm + RoPE" is the elementwise pass over the (T, H, D) queries (the output's inverse RoPE runs inside the
+attention). "rest" is the layer's forward + backward minus those ops: the projections, norms, the kv and compressed
+RoPE and the output projection.
 ``--profile N`` runs one more forward + backward of each case under ``torch.profiler`` and prints the N kernels
 (or, on the CPU, operators) with the most self time: what "rest" is made of.
 
@@ -45,8 +47,7 @@ from dsv4attn.layers import compressor as compressor_module
 # (module, name, label): the op entry points the layer calls.
 OPS = ((compressor_module, "compress_pool", "compressor pool"), (attention_module, "indexer_topk", "indexer top-k"),
        (attention_module, "sparse_attention", "attention"), (attention_module, "indexer_kl", "indexer KL"),
-       (attention_module, "qnorm_rope", "q-norm + RoPE, inverse RoPE"),
-       (attention_module, "inverse_rope", "q-norm + RoPE, inverse RoPE"))
+       (attention_module, "qnorm_rope", "q-norm + RoPE"))
 
 
 class OpRecorder:
@@ -81,7 +82,7 @@ def _leaf(a, grad):
 
 
 def _time_call(fn, args, kwargs, grad, backward: bool, reps: int = 3) -> float:
-    times = []
+    times, upstream = [], None
     for _ in range(reps + 1):
         leaves = [_leaf(a, grad) for a in args]
         torch.cuda.synchronize()
@@ -91,7 +92,9 @@ def _time_call(fn, args, kwargs, grad, backward: bool, reps: int = 3) -> float:
             if backward and grad:
                 first = out[0] if isinstance(out, tuple) else out
                 if first.requires_grad:
-                    first.backward(torch.ones_like(first) if first.dim() == 1 else torch.randn_like(first))
+                    if upstream is None:        # drawn in the untimed first run: its cost is not the op's
+                        upstream = torch.ones_like(first) if first.dim() == 1 else torch.randn_like(first)
+                    first.backward(upstream)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
         del out, leaves
@@ -319,7 +322,7 @@ def main() -> None:
     if details:
         print("\nPer-op breakdown (each op call replayed alone; ms forward / forward+backward)")
         labels = ["compressor pool", "indexer top-k", "attention", "indexer KL", "indexer KL (window LSE)",
-                  "q-norm + RoPE, inverse RoPE"]
+                  "q-norm + RoPE"]
         print("| T | ratio | phase | " + " | ".join(labels) + " | rest (proj, norms, kv RoPE, output) | layer |")
         print("|---|---|---|" + "---|" * (len(labels) + 2))
         for T, ratio, phase, fwd, total, parts, _ in details:
