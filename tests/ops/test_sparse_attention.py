@@ -417,6 +417,7 @@ OUTPUT_ROPE_BAD = {
                         r"output_rope positions must have dtype in"),
     "short_positions": (lambda T, pos, inv: (pos[:-1], inv), ValueError, r"output_rope positions must have shape"),
     "2d_inv_freq": (lambda T, pos, inv: (pos, inv[None]), ValueError, r"output_rope inv_freq must be 1-D"),
+    "meta_inv_freq": (lambda T, pos, inv: (pos, inv.to("meta")), ValueError, r"output_rope inv_freq must be on cpu"),
     "too_many_pairs": (lambda T, pos, inv: (pos, torch.ones(5, dtype=torch.float64)), ValueError,
                        r"rotates 10 channels, more than q's head dim 8"),
 }

@@ -249,15 +249,18 @@ def test_gluon_backward_matches_float64_reference(T, H, K, N, dtype, sink_kind):
 @pytest.mark.parametrize("T,H,D,K,N,pairs", [
     (64, 64, 512, 640, 300, 32),            # V4: the last 64 of 512 channels, all in the second consumer's half
     (48, 128, 512, 600, 1000, 32),          # two head blocks
+    (24, 64, 512, 130, 200, 128),           # 256 channels: the backward rotates a 256-wide tail of dO
+    (40, 64, 512, 200, 300, 160),           # 320 channels: both forward consumers, the backward's whole dO
     (40, 64, 256, 130, 500, 80),            # 160 rotated channels: both consumers' halves
     (33, 64, 128, 64, 64, 64),              # every channel rotates
 ])
 @pytest.mark.parametrize("kernel", ["gluon", "triton"])
 def test_output_rope_matches_float64_reference(T, H, D, K, N, pairs, kernel):
-    """``output_rope``: the forward's epilogue rotates the output back, the backward's pre-pass rotates the gradient
-    forward (then the one-pass Gluon backward at D = 512, the Triton one elsewhere; "triton" runs the Triton forward
-    and the deterministic Triton backward). Bounds as above; the bf16 reference rounds its output, then rotates, and
-    its backward takes the rotated-forward gradient rounded and Delta from the kernel's saved rotated output."""
+    """``output_rope``: the forward's epilogue rotates the output back, the backward kernels rotate the gradient
+    forward as they load it (the one-pass Gluon backward at D = 512, the Triton one elsewhere; "triton" runs the
+    Triton forward and the deterministic Triton backward). Bounds as above; the bf16 reference rounds its output,
+    then rotates, and its backward takes the rotated-forward gradient rounded and Delta from the kernel's saved
+    rotated output."""
     from dsv4attn.rope import apply_rope
     gen = torch.Generator().manual_seed(T * 3 + K)
     q, kv, idx, sink = inputs(T, H, D, K, N, torch.bfloat16, gen)

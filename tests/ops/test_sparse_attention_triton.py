@@ -15,7 +15,7 @@ noise where the reference's own error is ~0 (lse, exactly representable cases).
 Also checked here: ``deterministic=True`` (atomic-free backward: bitwise repeatable, equal to the atomic backward
 up to fp32 summation order, within the same bounds against float64; with several row chunks and head blocks) and
 ``topk_length`` (identical to masking the indices by hand), ``output_rope`` (the output's inverse RoPE in the
-forward's epilogue, the gradient rotated in the backward's pre-pass), and both backward layouts (``LAYOUT``:
+forward's epilogue, the gradient rotated as the backward loads it), and both backward layouts (``LAYOUT``:
 ``triton.FUSED``, ``triton.SPLIT``) at launcher level: several kv blocks per row, two head blocks,
 empty rows, repeated indices, dKV in column chunks, atomic and deterministic. The same checks at V4 shapes on a
 GPU are in ``test_sparse_attention_gpu.py``.
@@ -148,8 +148,8 @@ def _rotated(fn, positions, inv_freq):
 
 def _run_reference_low_rotated(q, kv, idx, sink, grad_out, saved, positions, inv_freq):
     """:func:`_run_reference_low` with the output rotation: the reference's output rounded, then rotated; its
-    backward takes the gradient rotated forward (rounded, as the kernels' pre-pass does) and forms Delta from the
-    kernel's saved rotated output and the incoming gradient, as the pre-pass does."""
+    backward takes the gradient rotated forward (rounded, as the kernels do when they load it) and forms Delta from
+    the kernel's saved rotated output and the incoming gradient, as the kernels' pre-pass does."""
     from dsv4attn.ops.index_sets import Explicit
     from dsv4attn.ops.sparse_attention.reference import reference_backward, reference_forward
     from dsv4attn.rope import apply_rope
@@ -262,6 +262,19 @@ def _worker() -> None:
                      sink.double(), grad_out.double())
         results["rope"][case_id] = dict(bounds=_compare(fused, ref_low, exact),
                                         deterministic_bounds=_compare(fixed, ref_low, exact))
+    # The forward in value-column slices (BLOCK_DV < D, each program rotates its own slice), fp32 against float64.
+    from dsv4attn.ops.index_sets import Explicit
+    c = CASES["fp32-H5-D128"]
+    q, kv, idx, sink, _ = _inputs(c, list(CASES).index("fp32-H5-D128"))
+    sliced = dict(BLOCK_N=16, BLOCK_DK=32, BLOCK_DV=32, num_warps=4, num_stages=1)
+    results["rope_slices"] = {}
+    for pairs in (24, 64):
+        positions, inv_freq = _rope_of(c, pairs, 5)
+        out, _ = sa_triton._sparse_attn_fwd(q, kv, idx.to(torch.int32), sink, c["D"] ** -0.5, sliced,
+                                            rope=sa_triton.rope_tables(positions, inv_freq))
+        want = _rotated(sparse_attention_reference, positions, inv_freq)(
+            q.double(), kv.double(), Explicit(idx), sink.double(), c["D"] ** -0.5)[0]
+        results["rope_slices"][str(pairs)] = (out.double() - want).abs().max().item() / want.abs().max().item()
     backend.set_backend(None)
 
     results["layouts"] = {}
@@ -440,6 +453,11 @@ def test_output_rotation_matches_float64_reference(interpreted, case_id):
     _assert_within_bounds(f"{case_id} output_rope", m["bounds"], CASES[case_id]["dtype"] != "fp32")
     _assert_within_bounds(f"{case_id} output_rope deterministic", m["deterministic_bounds"],
                           CASES[case_id]["dtype"] != "fp32")
+
+
+@pytest.mark.parametrize("pairs", ["24", "64"])
+def test_output_rotation_in_value_column_slices(interpreted, pairs):
+    assert interpreted["rope_slices"][pairs] <= 1e-5, interpreted["rope_slices"]
 
 
 @pytest.mark.parametrize("check", ["equals_one_shot", "out_and_lse_bitwise", "rotated_equals_one_shot",

@@ -35,9 +35,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
         output_rope: optional ``(positions, inv_freq)``, (T,) int32 / int64 on ``q``'s device and (R/2,) float
             frequencies with R <= D: ``out`` comes rotated back by ``-positions[t] * inv_freq`` on its last R
             channels in interleaved pairs, the layer's output inverse RoPE (docs/semantics.md, "Output" step 1),
-            done in the kernels' epilogue instead of a pass of its own over (T, H, D); the backward rotates the
-            incoming gradient forward in its Delta pre-pass. The kernels rotate in fp32 before their one rounding;
-            the reference rounds ``out``, then rotates (:func:`dsv4attn.rope.apply_rope`).
+            done in the kernels' epilogue instead of a pass of its own over (T, H, D); the backward kernels rotate
+            the incoming gradient forward as they load it. The kernels rotate in fp32 before their one rounding;
+            the reference rounds ``out``, then rotates (:func:`dsv4attn.rope.apply_rope`). Not differentiable in
+            ``inv_freq`` (on the layer it is a buffer); ``inv_freq`` must be on ``q``'s device too (a CUDA-graph
+            capture cannot copy it there).
     Returns:
         out: (T, H, D) in ``q.dtype``; rows without a valid index give 0.
         lse: (T, H) fp32 (fp64 for fp64 inputs), natural log, **excluding** the sink; ``-inf`` for empty rows.
@@ -95,7 +97,8 @@ def _check_output_rope(output_rope, T: int, D: int, device) -> None:
                         f"{type(output_rope).__name__}")
     positions, inv_freq = output_rope
     checks.check_tensor("output_rope positions", positions, shape=(T,), dtypes=INDEX_DTYPES, device=device)
-    checks.check_tensor("output_rope inv_freq", inv_freq, dim=1, dtypes=(torch.float32, torch.float64))
+    checks.check_tensor("output_rope inv_freq", inv_freq, dim=1, dtypes=(torch.float32, torch.float64),
+                        device=device)
     if 2 * inv_freq.shape[0] > D:
         raise ValueError(f"output_rope inv_freq of length {inv_freq.shape[0]} rotates {2 * inv_freq.shape[0]} "
                          f"channels, more than q's head dim {D}")

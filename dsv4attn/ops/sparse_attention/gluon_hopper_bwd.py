@@ -19,8 +19,8 @@ Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_
   took the dKV warpgroup from 60 to 540 bytes of spills, ptxas of Triton 3.6) into a one-stage ring
   (:func:`dsv4attn.ops.gluon_common.ring_gather`; q, dO and the tile take 192 KiB, so one stage is all that fits);
 - softmax warpgroup (the default partition): with the forward's output rotation (``output_rope``), first rotates the
-  RoPE columns of dO forward in shared memory; then per tile S and dP (asynchronous wgmma, back to back), P and dS in registers,
-  stored to the tile's P / dS buffers (two of each, alternating by tile) for the dKV warpgroup, then
+  RoPE columns of dO forward in shared memory; then per tile S and dP (asynchronous wgmma, back to back), P and dS
+  in registers, stored to the tile's P / dS buffers (two of each, alternating by tile) for the dKV warpgroup, then
   dQ[:, :D/2] += dS KV[:, :D/2]; releases the kv stage;
 - dKV warpgroup: dQ[:, D/2:] += dS KV[:, D/2:], releases the kv stage (the producer's next gather then runs under
   this warpgroup's dKV products), then dKV in eight 64-column chunks, each P^T dO + dS^T Q in one accumulator

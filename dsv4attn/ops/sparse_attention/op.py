@@ -147,8 +147,8 @@ def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: boo
             index_set = indices if topk_length is None else _FirstSlots(indices, topk_length)
             if impl == "reference":                 # chunk by chunk: never materialises (T, K) indices
                 out, lse = sparse_attention_reference(q, kv, index_set, attn_sink, scale)
-                if _rope(positions, inv_freq) is not None:
-                    out = apply_rope(out, positions, inv_freq, inverse=True)
+                if _rope(positions, inv_freq) is not None:      # not differentiable in inv_freq, as the op
+                    out = apply_rope(out, positions, inv_freq.detach(), inverse=True)
                 return out, lse
             # The kernels take (rows, K) tensors: materialise them one chunk of query rows at a time, so that a
             # wide set (every visible compressed entry of a long document) never becomes a (T, K) tensor.

@@ -43,7 +43,7 @@ import triton.language as tl
 from ... import backend, variants
 from ..gluon_common import sm90
 from ...rope import rope_cos_sin
-from ..triton_common import dot, dot_mode, interpreting, launch_fitting, round_to
+from ..triton_common import dot, dot_mode, launch_fitting, round_to
 from ..index_sets import IndexSet, row_ends
 from .op import register_triton, run
 from .segment_sum import add_rows_by_key
