@@ -8,10 +8,11 @@ masked slots, backward = 2.5x forward. Run (CUDA, Triton):
     python benchmarks/sparse_attention.py --T 8192 32768 65536 --H 64 128 [--check-T 8192] [--sweep]
         [--flashmla .peers/flashmla] [--log out.txt]
 
-``--cudnn .peers`` times cuDNN Frontend's SM90 DSA backward (its wheels under ``.peers/cudnn_b``; docs/performance.md)
-beside ours the same way, fed FlashMLA's out and lse when ``--flashmla`` is given. ``--flashmla`` times FlashMLA's
-sparse prefill forward (its build under ``.peers/flashmla``; docs/performance.md) on the same
-inputs in the same run, alternating with our forward over 7 rounds (medians; the per-round ratios are printed);
+``--output-rope`` adds rows for our kernels as the layer runs them (the output's inverse RoPE fused), each paired with
+the plain kernel. ``--cudnn .peers`` times cuDNN Frontend's SM90 DSA backward (its wheels under ``.peers/cudnn_b``;
+docs/performance.md) beside ours the same way, fed FlashMLA's out and lse when ``--flashmla`` is given.
+``--flashmla`` times FlashMLA's sparse prefill forward (its build under ``.peers/flashmla``; docs/performance.md) on
+the same inputs in the same run, alternating with our forward over 7 rounds (medians; the per-round ratios are printed);
 the project never depends on it. "peak MiB" is what a call allocates beyond its inputs;
 "mem/io" (forward+backward) is that plus q and kv over the bytes of q, kv, out, lse, dq, dkv (target <= 1.3).
 """
@@ -90,7 +91,7 @@ def io_bytes(T: int, H: int, K: int) -> int:
 
 
 def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: str = "", heads: int = 64,
-          flashmla=None, cudnn=None) -> None:
+          flashmla=None, cudnn=None, output_rope: bool = False) -> None:
     from dsv4attn.ops.sparse_attention import triton as sat
     from dsv4attn.ops.sparse_attention.reference import sparse_attention_reference
     from dsv4attn.ops.index_sets import Explicit
@@ -162,6 +163,24 @@ def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: st
         if op == "bwd" and cudnn is not None:
             base = cudnn_ms
         row(impl, op, ms if not (op == "bwd" and cudnn is not None) else ours_bwd_ms, flop, peak_mib(fn), base)
+    if output_rope:
+        # As the layer calls the kernels: the output rotated back over its last 64 channels (positions 0 .. T-1),
+        # dO rotated as the backward loads it. Each timed in alternating rounds with the plain kernel above.
+        tables = sat.rope_tables(torch.arange(T, device="cuda"),
+                                 (10000.0 ** (-torch.arange(32, dtype=torch.float64) / 32)).cuda())
+        r_out, r_lse = sat._sparse_attn_fwd(q, kv, idx, sink, scale, fwd_cfg, rope=tables)
+
+        def rope_fwd():
+            sat._sparse_attn_fwd(q, kv, idx, sink, scale, fwd_cfg, rope=tables)
+
+        def rope_bwd():
+            sat._sparse_attn_bwd(q, kv, idx, sink, r_out, r_lse, grad_out, scale, bwd_cfg, rope=tables)
+
+        for op, plain, rotated, flop, peer in (("fwd", fwd, rope_fwd, fwd_flop, fm_ms),
+                                               ("bwd", bwd, rope_bwd, 2.5 * fwd_flop, cudnn_ms)):
+            plain_ms, rope_ms, ratios = paired_ms(plain, rotated)
+            row("ours + output_rope", op, rope_ms, flop, peak_mib(rotated), peer)
+            log(f"  (output_rope {op}: {rope_ms / plain_ms:.3f}x the plain kernel, {len(ratios)} alternating rounds)")
     if with_reference:
         iset = Explicit(idx)
 
@@ -283,6 +302,8 @@ def main() -> None:
     parser.add_argument("--sweep", choices=["fwd", "bwd", "both"], default=None,
                         help="also time the tile configurations in SWEEP_FWD and / or SWEEP_BWD")
     parser.add_argument("--bwd-variants", default=None, help="comma-separated SWEEP_BWD indices (default: all)")
+    parser.add_argument("--output-rope", action="store_true", help="also time the kernels with the output's inverse "
+                        "RoPE fused (what the layer runs), against the plain kernels")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
     log = start_log("sparse_attention.py", args.log)
@@ -304,7 +325,7 @@ def main() -> None:
     for heads in args.H:
         for T in args.T:
             bench(T, log, with_reference=(T == args.reference_T and heads == 64), heads=heads, flashmla=flashmla,
-                  cudnn=cudnn)
+                  cudnn=cudnn, output_rope=args.output_rope)
             torch.cuda.empty_cache()
     if args.sweep:
         for heads in args.H:
