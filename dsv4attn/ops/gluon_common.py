@@ -25,9 +25,10 @@ their ``available()`` says no.
 
 The building blocks: one program per (query row, 64-head block) (:func:`program_row`), mbarrier arrays, and the
 producer warpgroup's cp.async gathers of rows into a ring of shared-memory stages (:func:`ring_gather`, from
-:func:`slot_rows` and :func:`gather_rows`; :func:`copy_heads`), used by the attention forward and teacher mass
-(:mod:`.sparse_attention.gluon_hopper`), the attention backward dKV (:mod:`.sparse_attention.gluon_hopper_bwd`) and
-the indexer KL backward (:mod:`.indexer_loss.gluon_hopper`).
+:func:`slot_rows` and :func:`gather_rows`; :func:`copy_heads`) and the RoPE rotation of a register tile
+(:func:`rotate_channel_pairs`: the attention's output rotation and its gradient), used by the attention forward and
+teacher mass (:mod:`.sparse_attention.gluon_hopper`), the attention backward dKV
+(:mod:`.sparse_attention.gluon_hopper_bwd`) and the indexer KL backward (:mod:`.indexer_loss.gluon_hopper`).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 gluon = gl = async_copy = mbarrier = tma = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
 TensorDescriptor = async_load = tma_load = thread_barrier = None
 program_row = row_blocks = mbarriers = slot_rows = gather_rows = copy_heads = store_heads = ring_gather = None
+rotate_channel_pairs = None
 reduction_layout = add_reduced = None
 
 try:  # any import problem (older or newer Triton) just disables the Gluon paths
@@ -166,6 +168,29 @@ if IMPORTED:
         h_o = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, st_layout))
         c_o = col0 + gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, st_layout))
         gl.store(OUT + t * H * D + h_o.to(gl.int64)[:, None] * D + c_o[None, :], staging.load(st_layout))
+
+    @gluon.jit
+    def rotate_channel_pairs(x, COS, SIN, t, col0: gl.constexpr, D: gl.constexpr, ROPE: gl.constexpr,
+                             SIGN: gl.constexpr):
+        # x (M, W) fp32: columns [col0, col0 + W) of D-wide vectors of query row t. The interleaved pairs of the last
+        # 2 * ROPE channels rotate by SIGN * angle (COS / SIN: (T, ROPE) fp32 tables), the others pass (``where``:
+        # an infinite partner cannot leak into them). The attention forward rotates its output back (SIGN = -1),
+        # the backward dO forward (+1). In the wgmma layout a pair's two channels are neighbours in one thread's
+        # registers, so the split and join move no data.
+        M: gl.constexpr = x.shape[0]
+        W: gl.constexpr = x.shape[1]
+        even, odd = gl.split(gl.reshape(x, [M, W // 2, 2]))
+        j = col0 // 2 - (D // 2 - ROPE) + gl.arange(0, W // 2, layout=gl.SliceLayout(0, even.type.layout))
+        rot = j >= 0
+        cos = gl.load(COS + t * ROPE + gl.where(rot, j, 0), mask=rot, other=1.0)[None, :]
+        sin = gl.load(SIN + t * ROPE + gl.where(rot, j, 0), mask=rot, other=0.0)[None, :]
+        if SIGN < 0:
+            even_r = gl.where(rot[None, :], even * cos + odd * sin, even)
+            odd_r = gl.where(rot[None, :], odd * cos - even * sin, odd)
+        else:
+            even_r = gl.where(rot[None, :], even * cos - odd * sin, even)
+            odd_r = gl.where(rot[None, :], odd * cos + even * sin, odd)
+        return gl.reshape(gl.join(even_r, odd_r), [M, W])
 
     @gluon.jit
     def copy_heads(X, H, t, hb, x_smem, D: gl.constexpr):

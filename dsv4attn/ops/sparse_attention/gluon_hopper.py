@@ -42,8 +42,8 @@ from __future__ import annotations
 import torch
 
 from ..gluon_common import (BLOCK_H, IMPORTED, async_copy, copy_heads, fence_async_shared, gl, gluon, half_precision,
-                            mbarrier, mbarriers, program_row, ring_gather, row_blocks, sm90, store_heads,
-                            warpgroup_mma, warpgroup_mma_wait)
+                            mbarrier, mbarriers, program_row, ring_gather, rotate_channel_pairs, row_blocks, sm90,
+                            store_heads, warpgroup_mma, warpgroup_mma_wait)
 from ..index_sets import row_ends
 
 LOG2E = 1.4426950408889634
@@ -77,22 +77,6 @@ if IMPORTED:
     BLOCK_H_C = gl.constexpr(BLOCK_H)
 
     @gluon.jit
-    def _rotate_back(x, COS, SIN, t, col0: gl.constexpr, D: gl.constexpr, ROPE: gl.constexpr):
-        # x (64, W) fp32: columns [col0, col0 + W) of the 64 heads of row t. The pairs of the last 2 * ROPE channels
-        # rotate by -angle (COS / SIN: (T, ROPE) fp32 tables), the others pass. A pair's two channels are
-        # neighbours in one thread's registers in the wgmma layout, so the split and join move no data.
-        M: gl.constexpr = x.shape[0]
-        W: gl.constexpr = x.shape[1]
-        even, odd = gl.split(gl.reshape(x, [M, W // 2, 2]))
-        j = col0 // 2 - (D // 2 - ROPE) + gl.arange(0, W // 2, layout=gl.SliceLayout(0, even.type.layout))
-        rot = j >= 0
-        cos = gl.load(COS + t * ROPE + gl.where(rot, j, 0), mask=rot, other=1.0)[None, :]
-        sin = gl.load(SIN + t * ROPE + gl.where(rot, j, 0), mask=rot, other=0.0)[None, :]
-        even_r = gl.where(rot[None, :], even * cos + odd * sin, even)
-        odd_r = gl.where(rot[None, :], odd * cos - even * sin, odd)
-        return gl.reshape(gl.join(even_r, odd_r), [M, W])
-
-    @gluon.jit
     def _finish(acc, m_i, l_i, SINK, OUT, LSE, COS, SIN, t, H, hb, col0: gl.constexpr, staging, D: gl.constexpr,
                 WRITE_LSE: gl.constexpr, ROPE: gl.constexpr):
         # Sink in the denominator only: out = acc / (l + 2^(sink log2e - m)); rows without keys (l == 0) give 0.
@@ -113,7 +97,7 @@ if IMPORTED:
         scale_o = gl.where(has_keys, 1.0 / denom, 0.0)
         out = acc * gl.convert_layout(scale_o, gl.SliceLayout(1, o_layout))[:, None]
         if ROPE > 0 and col0 + acc.shape[1] > D - 2 * ROPE:
-            out = _rotate_back(out, COS, SIN, t, col0, D, ROPE)
+            out = rotate_channel_pairs(out, COS, SIN, t, col0, D, ROPE, -1)
         store_heads(out, OUT, t, H, hb, col0, staging, D)
 
     @gluon.jit

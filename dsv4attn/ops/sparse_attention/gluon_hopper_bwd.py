@@ -38,8 +38,8 @@ import torch
 
 from .. import gluon_common
 from ..gluon_common import (BLOCK_H, IMPORTED, add_reduced, add_unpermuted, copy_heads, fence_async_shared, gl, gluon,
-                            mbarrier, mbarriers, program_row, reduction_layout, ring_gather, row_blocks, store_heads,
-                            warpgroup_mma, warpgroup_mma_wait)
+                            mbarrier, mbarriers, program_row, reduction_layout, ring_gather, rotate_channel_pairs,
+                            row_blocks, store_heads, warpgroup_mma, warpgroup_mma_wait)
 from ..index_sets import row_ends
 from . import gluon_hopper
 from .gluon_hopper import LOG2E
@@ -87,14 +87,7 @@ if IMPORTED:
         # the gradient of the attention's own output when the forward rotated it back (output_rope).
         layout: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])
         x = do_smem.load(layout).to(gl.float32)
-        even, odd = gl.split(gl.reshape(x, [BLOCK_H_C, RW // 2, 2]))
-        j = (D - RW) // 2 - (D // 2 - ROPE) + gl.arange(0, RW // 2, layout=gl.SliceLayout(0, even.type.layout))
-        rot = j >= 0
-        cos = gl.load(COS + t * ROPE + gl.where(rot, j, 0), mask=rot, other=1.0)[None, :]
-        sin = gl.load(SIN + t * ROPE + gl.where(rot, j, 0), mask=rot, other=0.0)[None, :]
-        even_r = gl.where(rot[None, :], even * cos - odd * sin, even)
-        odd_r = gl.where(rot[None, :], odd * cos + even * sin, odd)
-        do_smem.store(gl.reshape(gl.join(even_r, odd_r), [BLOCK_H_C, RW]).to(do_smem.dtype))
+        do_smem.store(rotate_channel_pairs(x, COS, SIN, t, D - RW, D, ROPE, 1).to(do_smem.dtype))
 
     @gluon.jit
     def _bwd_softmax(IDX, nb, DQ, DENOM2, DELTA, COS, SIN, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring,
