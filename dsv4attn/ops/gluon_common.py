@@ -35,7 +35,8 @@ from __future__ import annotations
 # Bound whether or not Gluon imports, so that the kernel modules' imports of them always work.
 gluon = gl = async_copy = mbarrier = tma = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
 TensorDescriptor = async_load = tma_load = thread_barrier = None
-program_row = row_blocks = mbarriers = slot_rows = gather_rows = copy_heads = store_heads = ring_gather = None
+program_row = row_blocks = loop_zero = mbarriers = slot_rows = gather_rows = None
+copy_heads = store_heads = ring_gather = None
 rotate_channel_pairs = None
 reduction_layout = add_reduced = None
 
@@ -126,6 +127,15 @@ if IMPORTED:
         # index_sets.row_ends), at least one (a row without a valid slot runs one all-empty block, which gives its
         # zero output / gradients through the kernels' ordinary masking).
         return gl.maximum(gl.cdiv(gl.load(NEND + t), BLOCK_N), 1)
+
+    @gluon.jit
+    def loop_zero(b, K):
+        # 0 for every block b of a row_blocks loop over K slots (b < max(cdiv(K, BLOCK_N), 1) <= K + 1), in a form
+        # the compiler cannot prove constant. Shared-memory operands indexed by it keep their wgmma descriptors inside
+        # the loop; with loop-invariant operands they are hoisted out of it and spilled. The older form
+        # (b + 1) // (nb + 1) ties the bound to the trip count, which Triton 3.9's LLVM sees through (the attention
+        # backward then spilled 608 bytes, BENCHMARKS.md).
+        return b // (K + 1)
 
     @gluon.jit
     def program_row(H):

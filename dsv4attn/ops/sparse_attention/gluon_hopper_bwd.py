@@ -38,16 +38,17 @@ import torch
 
 from .. import gluon_common
 from ..gluon_common import (BLOCK_H, IMPORTED, add_reduced, add_unpermuted, copy_heads, fence_async_shared, gl, gluon,
-                            mbarrier, mbarriers, program_row, reduction_layout, ring_gather, rotate_channel_pairs,
-                            row_blocks, store_heads, warpgroup_mma, warpgroup_mma_wait)
+                            loop_zero, mbarrier, mbarriers, program_row, reduction_layout, ring_gather,
+                            rotate_channel_pairs, row_blocks, store_heads, warpgroup_mma, warpgroup_mma_wait)
 from ..index_sets import row_ends
 from . import gluon_hopper
 from .gluon_hopper import LOG2E
 
 BLOCK_N = 64          # slots per tile: the dKV products need M = 64 slots per wgmma
-# REGS: registers per thread of the dKV warpgroup and of the producer (setmaxnreg); the softmax warpgroup gets
-# the rest of the 64K (248 at (224, 40)). CHUNK: dKV columns per accumulator (its products are pipelined two deep).
-BWD_CONFIG = dict(REGS=(224, 40), CHUNK=64)
+# REGS: registers per thread of the dKV warpgroup and of the producer (setmaxnreg); the softmax warpgroup gets 240
+# (what Triton's PTX sets for it). (232, 32) is 2-3% faster than (224, 40) on Triton 3.6 and, with loop_zero, 14-15% on
+# 3.9 (BENCHMARKS.md). CHUNK: dKV columns per accumulator (its products are pipelined two deep).
+BWD_CONFIG = dict(REGS=(232, 32), CHUNK=64)
 SHARED_MEMORY_BYTES = 232448                   # the most one SM90 thread block may allocate
 
 
@@ -112,9 +113,7 @@ if IMPORTED:
             fence_async_shared()
             gluon_common.thread_barrier()
         for b in range(nb):
-            # Shared-memory operands through a block-dependent zero index z (see gluon_hopper._pp_consumer: with
-            # loop-invariant bases the compiler hoists the wgmma descriptors out of the loop and spills them).
-            z = (b + 1) // (nb + 1)
+            z = loop_zero(b, K)          # shared-memory operands through it: their descriptors stay in the loop
             buf = b % 2
             n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
@@ -152,7 +151,7 @@ if IMPORTED:
         red_layout: gl.constexpr = reduction_layout(BLOCK_N, CHUNK)
         row_base = t * K
         for b in range(nb):
-            z = (b + 1) // (nb + 1)
+            z = loop_zero(b, K)
             buf = b % 2
             n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, red_layout))
             idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
