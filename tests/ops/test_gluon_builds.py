@@ -57,7 +57,10 @@ def gluon_kernels():
            dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]), ROPE=rope))
           for name, rope in (("attn_fwd_no_rope", 0), ("attn_fwd", 32))],
         ("teacher_mass", attn._teacher_mass_gluon,
-         dict(Q=bf, CKV=bf, IDX=i32, FULL_LSE=f32, MASS=f32, H="i32", K="i32", qk_scale="fp32"),
+         dict(Q=bf, CKV=bf, IDX=i32, NEND=i32, FULL_LSE=f32, MASS=f32, H="i32", K="i32", qk_scale="fp32"),
+         dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
+        ("teacher_lse", attn._teacher_lse_gluon,
+         dict(Q=bf, CKV=bf, IDX=i32, NEND=i32, LSE=f32, H="i32", K="i32", qk_scale_log2="fp32"),
          dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
         ("attn_bwd", attn_bwd._sparse_attn_bwd_gluon,
          dict(Q=bf, DO=bf, KV=bf, IDX=i32, NEND=i32, DENOM2=f32, DELTA=f32, DQ=bf, DKV=f32, COS=f32, SIN=f32,
@@ -108,8 +111,8 @@ def handed_over_slots_in_scratch(llir: str) -> tuple[list[int], int]:
     return sorted(slots & bases), len(bases)
 
 
-KERNEL_NAMES = ["attn_fwd", "attn_fwd_no_rope", "teacher_mass", "attn_bwd", "indexer_scores", "indexer_scores_table",
-                "kl_bwd"]
+KERNEL_NAMES = ["attn_fwd", "attn_fwd_no_rope", "teacher_mass", "teacher_lse", "attn_bwd", "indexer_scores",
+                "indexer_scores_table", "kl_bwd"]
 
 
 def _worker():

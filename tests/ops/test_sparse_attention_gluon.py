@@ -180,6 +180,8 @@ def test_teacher_mass_matches_float64(H, D, K, dtype, config):
     idx = torch.randint(0, N, (T, K), generator=gen, dtype=torch.int32)
     idx = idx.masked_fill(torch.rand(T, K, generator=gen) < 0.2, -1).cuda()
     idx[5] = -1
+    idx[7, K // 2:] = -1                                  # rows that end early: their blocks stop there
+    idx[9, 3:] = -1
     scale = D ** -0.5
     full = (torch.randn(T, H, generator=gen) + 8.0)
     full[5, :3] = float("-inf")                          # heads of a row without valid slots: L = -inf allowed
@@ -197,11 +199,49 @@ def test_teacher_mass_matches_float64(H, D, K, dtype, config):
     assert err <= 2 * err_ref + 1e-6 * exact.abs().max().item(), (err, err_ref)
 
 
-def test_teacher_mass_refuses_odd_rings():
+@sm90
+@pytest.mark.parametrize("H,D,K,dtype,config", [
+    (64, 512, 512, torch.bfloat16, None), (128, 512, 300, torch.bfloat16, None), (64, 256, 64, torch.float16, None),
+    (64, 128, 7, torch.bfloat16, None), (64, 512, 2000, torch.bfloat16, None),
+    (64, 256, 100, torch.bfloat16, dict(BLOCK_N=16, STAGES=4))])
+def test_teacher_lse_matches_float64(H, D, K, dtype, config):
+    """The teacher's per-head log-sum-exp over its valid candidates (the warm-up's full denominators) from the
+    Gluon kernel: error <= 2x that of the same LSE formed by PyTorch from tensor-core logits (bf16 products, fp32
+    sums), both against float64 on the same rounded inputs, + 1e-6 of the largest |LSE|; -inf exactly for a row
+    without a valid slot; rows that end early, K not a multiple of the block, two head blocks."""
+    gen = torch.Generator().manual_seed(H + D + K + 1)
+    T, N = 40, 700
+    q = torch.randn(T, H, D, generator=gen).to("cuda", dtype)
+    ckv = torch.randn(N, D, generator=gen).to("cuda", dtype)
+    idx = torch.randint(0, N, (T, K), generator=gen, dtype=torch.int32)
+    idx = idx.masked_fill(torch.rand(T, K, generator=gen) < 0.2, -1).cuda()
+    idx[5] = -1
+    idx[7, K // 2:] = -1
+    idx[9, 1:] = -1
+    idx[9, 0] = 3
+    scale = D ** -0.5
+    rows = ckv[idx.long().clamp(min=0)]                                           # (T, K, D)
+
+    def lse(logits):
+        return torch.where((idx >= 0)[:, None, :], logits.double() * scale, float("-inf")).logsumexp(-1)
+
+    got = gluon_hopper.teacher_lse(q, ckv, idx, scale, config).double()
+    exact = lse(torch.bmm(q.double(), rows.double().transpose(1, 2)))
+    low = lse(torch.bmm(q, rows.transpose(1, 2), out_dtype=torch.float32))
+    assert torch.all(got[5] == float("-inf")) and torch.all(torch.isfinite(got[torch.arange(T) != 5]))
+    keep = torch.arange(T, device="cuda") != 5
+    err = (got[keep] - exact[keep]).abs().max().item()
+    err_ref = (low[keep] - exact[keep]).abs().max().item()
+    assert err <= 2 * err_ref + 1e-6 * exact[keep].abs().max().item(), (err, err_ref)
+
+
+def test_teacher_kernels_refuse_odd_rings():
     q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
     for stages in (1, 3):
-        with pytest.raises(ValueError, match=f"STAGES must be even and >= 2, got {stages}"):
+        with pytest.raises(ValueError, match=f"teacher_mass config: STAGES must be even and >= 2, got {stages}"):
             gluon_hopper.teacher_mass(q, None, None, None, 0.1, {"STAGES": stages})
+        with pytest.raises(ValueError, match=f"teacher_lse config: STAGES must be even and >= 2, got {stages}"):
+            gluon_hopper.teacher_lse(q, None, None, 0.1, {"STAGES": stages})
 
 
 @sm90

@@ -23,6 +23,12 @@ program per row, one pass forming I(j) with its online LSE and mass(j) from natu
 mass(j) and I(j) to (rows, K) fp32 rows (scratch unless saved; one chunk's worth), then a GEMM-free pass summing
 the KL terms with the LSE and Z known; on SM90 mass(j) can come from a Gluon kernel (``gluon_hopper.teacher_mass``).
 
+*Gluon teacher* (SM90, ``outside_lse`` given, lazy index sets: the warm-up's every visible entry): per chunk of rows
+``gluon_hopper.teacher_lse`` forms each head's LSE over the candidates, ``logaddexp`` with ``outside_lse`` gives L_h,
+``teacher_mass`` the mass, and the full-denominator form runs on them (tensor cores for the H x D teacher logits
+instead of the two-pass form's two Triton passes: 457 -> 241 ms for a warm-up CSA layer at 32K, BENCHMARKS.md).
+Rows too wide to save dKL/dI form the mass again per chunk in the backward.
+
 The forward saves dKL/dI per slot, ``G(j) = Q(j) sum T - T(j)`` (fp32, (T, K)), when K <= ``SAVE_G_MAX_WIDTH``,
 so that the backward does not recompute the teacher (the bulk of the work: H x D per candidate against Hi x Di for
 the student). Wider rows save per-row statistics (log2 of each head's full denominator, the student's LSE, the
@@ -477,11 +483,14 @@ def _split_launch(config: dict) -> tuple[dict, dict]:
 
 
 def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict, full: bool = False,
-                mass: torch.Tensor | None = None, scores: torch.Tensor | None = None):
+                mass: torch.Tensor | None = None, scores: torch.Tensor | None = None, gluon_teacher: bool = False):
     """The forward kernel over ``chunks``, ``(start, end, idx (rows, K) int32, n_end (rows,) int32)`` each;
     ``full``: ``outside_lse`` holds each head's full denominator (see :func:`indexer_kl_triton`); ``mass``: with
     ``full``, the teacher mass (T, K) fp32 formed beforehand (:func:`_gluon_teacher_mass`); ``scores``: with
-    ``full``, the student logits I(j) (T, K) formed beforehand (the top-k's).
+    ``full``, the student logits I(j) (T, K) formed beforehand (the top-k's). ``gluon_teacher`` (not ``full``):
+    each chunk's full denominators and teacher mass come from the Gluon teacher kernels
+    (:func:`_gluon_full_and_mass`), then the kernel runs the full-denominator form on them; ``full2`` then holds
+    the natural-log L (as with ``full``). Raises if a Gluon kernel fails.
 
     Returns kl (T,), full2 (T, H), rowstat (T, 3) and G (T, K) (None unless ``save_g``), all fp32.
     """
@@ -509,14 +518,17 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     cfg, launch = _split_launch(config)
     scores_given = full and scores is not None
     meta = dict(_fwd_meta(H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype),
-                FULL=full, MASS_GIVEN=mass_given, SCORES_GIVEN=scores_given)
+                FULL=full or gluon_teacher, MASS_GIVEN=mass_given or gluon_teacher, SCORES_GIVEN=scores_given)
     for s, e, idx, n_end in chunks:
-        g_rows = rows_of("g", g_buf, s, e) if full or save_g else kl
+        g_rows = rows_of("g", g_buf, s, e) if full or save_g or gluon_teacher else kl
         if scores_given:     # log2(e) I(j) where the kernel reads them; 0 at empty slots, as if never written
             g_rows.copy_(scores[s:e]).mul_(1.4426950408889634).masked_fill_(idx < 0, 0.0)     # in place, no temporary
-        mass_rows = rows_of("mass", mass, s, e) if full else kl
+        if gluon_teacher:
+            outside_rows, mass_rows = _gluon_full_and_mass(qm[s:e], ckv, outside[s:e], idx, n_end, scale)
+        else:
+            outside_rows, mass_rows = outside[s:e], rows_of("mass", mass, s, e) if full else kl
         _launch(_indexer_kl_fwd_kernel, e - s,
-                (qi[s:e], ki, w[s:e], qm[s:e], ckv, outside[s:e], idx, n_end, kl[s:e], full2[s:e], rowstat[s:e],
+                (qi[s:e], ki, w[s:e], qm[s:e], ckv, outside_rows, idx, n_end, kl[s:e], full2[s:e], rowstat[s:e],
                  g_rows, mass_rows, K, scale * 1.4426950408889634, scale, FLT_MIN),
                 meta, launch, _fwd_shrink)
     return kl, full2, rowstat, g_buf
@@ -563,16 +575,30 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
     return d_qi, d_ki, d_w
 
 
-def _gluon_teacher_mass(operands, idx: torch.Tensor, full_lse: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """The teacher mass (T, K) fp32 from the Gluon SM90 kernel (the attention forward's gather ring), or None where
-    it does not apply (not SM90; fp32, incl. mixed q / C dtypes widened to fp32; H % 64; D; T or K = 0),
-    is switched off (DSV4ATTN_KERNELS=triton) or could not be built."""
-    _, _, _, qm, ckv = operands
+def _gluon_teacher(qm: torch.Tensor, K: int) -> bool:
+    """Whether the Gluon teacher kernels apply to main queries ``qm`` and K candidates (SM90; bf16/fp16, incl. not
+    for mixed q / C dtypes widened to fp32; H % 64; D; T and K > 0) and are not switched off (DSV4ATTN_KERNELS)."""
     T, H, D = qm.shape
-    if T == 0 or idx.shape[1] == 0 or variants.choose("indexer_kl", "teacher_mass", (D, qm.dtype), qm) != "gluon":
+    return T > 0 and K > 0 and variants.choose("indexer_kl", "teacher_mass", (D, qm.dtype), qm) == "gluon"
+
+
+def _gluon_full_and_mass(qm, ckv, outside: torch.Tensor, idx: torch.Tensor, n_end: torch.Tensor, scale: float):
+    """(full denominators L (rows, H), teacher mass (rows, K)), fp32, of one chunk of rows from the Gluon teacher
+    kernels: L = logaddexp(outside, the candidates' own LSE) (natural log), then the mass normalised by it."""
+    full_lse = torch.logaddexp(outside, gluon_hopper.teacher_lse(qm, ckv, idx, scale, n_end=n_end))
+    return full_lse, gluon_hopper.teacher_mass(qm, ckv, idx, full_lse, scale, n_end=n_end)
+
+
+def _gluon_teacher_mass(operands, idx: torch.Tensor, full_lse: torch.Tensor, scale: float,
+                        n_end: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The teacher mass (T, K) fp32 from the Gluon SM90 kernel (the attention forward's gather ring), or None where
+    it does not apply (:func:`_gluon_teacher`) or could not be built."""
+    _, _, _, qm, ckv = operands
+    D = qm.shape[2]
+    if not _gluon_teacher(qm, idx.shape[1]):
         return None
     try:
-        return gluon_hopper.teacher_mass(qm, ckv, idx, full_lse, scale)
+        return gluon_hopper.teacher_mass(qm, ckv, idx, full_lse, scale, n_end=n_end)
     except Exception as exc:
         if variants.strict():
             raise
@@ -602,7 +628,7 @@ def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: t
     idx = candidates.to(torch.int32).contiguous()
     n_end = row_ends(idx)
     operands = _operands(index_q, index_k, index_weights, q, compressed_kv)
-    mass = _gluon_teacher_mass(operands, idx, outside_lse, scale) if full else None
+    mass = _gluon_teacher_mass(operands, idx, outside_lse, scale, n_end) if full else None
     with backend.exact_math(index_q.device):
         kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, [(0, T, idx, n_end)] if T else [], K, scale,
                                                 save_g, dict(zip(FWD_KEYS, fwd_tiles)), full, mass, student_scores)
@@ -681,11 +707,31 @@ class _IndexerKLTriton(torch.autograd.Function):
         ranges = list(chunk_rows(T, K, budget=INDEX_BUDGET))
         # With a saved dKL/dI (rows at most SAVE_G_MAX_WIDTH wide) the backward reuses the materialised chunks;
         # otherwise only one chunk exists at a time, in either direction.
-        chunks = list(_lazy_chunks(candidates, ranges)) if save_g else _lazy_chunks(candidates, ranges)
-        kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, chunks, K, scale, save_g, config, full)
+        def chunks():
+            return list(_lazy_chunks(candidates, ranges)) if save_g else _lazy_chunks(candidates, ranges)
+        # The warm-up's teacher over every visible entry (outside_lse given): on SM90 the Gluon kernels form each
+        # chunk's full denominators and mass (two passes of the teacher logits on tensor cores), so the Triton
+        # kernel runs its full-denominator form; the backward forms the mass again the same way.
+        gluon_teacher = not full and _gluon_teacher(operands[3], K)
+        if gluon_teacher:
+            try:
+                chunk_list = chunks()
+                kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, chunk_list, K, scale, save_g, config,
+                                                        gluon_teacher=True)
+            except Exception as exc:
+                if variants.strict():
+                    raise
+                variants.note_gluon_build_failure(exc, "indexer_kl", "teacher_mass", (q.shape[2], q.dtype),
+                                                  "the Triton KL kernel forms the teacher")
+                gluon_teacher = False
+        if not gluon_teacher:
+            chunk_list = chunks()
+            kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, chunk_list, K, scale, save_g, config, full)
         ctx.save_for_backward(*operands, full2, rowstat, g_buf)
-        ctx.chunks, ctx.ranges = (chunks if save_g else None), ranges
-        ctx.candidates, ctx.scale, ctx.bwd_config, ctx.full = candidates, scale, bwd_config, full
+        ctx.chunks, ctx.ranges = (chunk_list if save_g else None), ranges
+        ctx.candidates, ctx.scale, ctx.bwd_config = candidates, scale, bwd_config
+        ctx.full, ctx.gluon_teacher = full or gluon_teacher, gluon_teacher
+        ctx.config = config
         ctx.dtypes = (index_q.dtype, index_k.dtype, index_weights.dtype, index_k.shape[0])
         return kl
 
@@ -694,10 +740,45 @@ class _IndexerKLTriton(torch.autograd.Function):
         qi, ki, w, qm, ckv, full2, rowstat, g_buf = ctx.saved_tensors
         dt_q, dt_k, dt_w, n_keys = ctx.dtypes
         chunks = ctx.chunks if ctx.chunks is not None else _lazy_chunks(ctx.candidates, ctx.ranges)
-        d_qi, d_ki, d_w = _kl_backward(grad_kl, (qi, ki, w, qm, ckv), full2, rowstat, g_buf, chunks,
-                                       ctx.candidates.width, ctx.scale, ctx.bwd_config, ctx.full)
+        K = ctx.candidates.width
+        if g_buf is None and ctx.gluon_teacher:
+            try:
+                d_qi, d_ki, d_w = _kl_backward_gluon_teacher(grad_kl, (qi, ki, w, qm, ckv), full2, chunks, K,
+                                                             ctx.scale, ctx.config, ctx.bwd_config)
+                return (d_qi.to(dt_q), d_ki[:n_keys].to(dt_k), d_w.to(dt_w), None, None, None, None, None, None,
+                        None, None)
+            except Exception as exc:
+                if variants.strict():
+                    raise
+                variants.note_gluon_build_failure(exc, "indexer_kl", "teacher_mass", (qm.shape[2], qm.dtype),
+                                                  "the Triton KL kernel forms the teacher")
+                chunks = _lazy_chunks(ctx.candidates, ctx.ranges)
+        # full2 holds the natural-log L after either full form, which the recomputing kernel then reads as such.
+        d_qi, d_ki, d_w = _kl_backward(grad_kl, (qi, ki, w, qm, ckv), full2, rowstat, g_buf, chunks, K, ctx.scale,
+                                       ctx.bwd_config, ctx.full)
         return (d_qi.to(dt_q), d_ki[:n_keys].to(dt_k), d_w.to(dt_w), None, None, None, None, None, None, None,
                 None)
+
+
+def _kl_backward_gluon_teacher(grad_kl, operands, full_lse, chunks, K: int, scale: float, config: dict,
+                               bwd_config: dict):
+    """The backward of the Gluon-teacher forward for rows too wide to save dKL/dI: per chunk the teacher mass again
+    (Gluon, from the saved full denominators ``full_lse``, natural log), dKL/dI from the forward kernel (full form,
+    mass given, the student's dots formed again), then the backward kernels with it. Memory: one chunk's (rows, K)
+    mass and dKL/dI. Same returns as :func:`_kl_backward`."""
+    qi, ki, w, qm, ckv = operands
+    d_qi = torch.empty_like(qi)
+    d_ki = torch.zeros(ki.shape, dtype=torch.float32, device=ki.device)
+    d_w = torch.empty(qi.shape[0], qi.shape[1], dtype=torch.float32, device=qi.device)
+    for s, e, idx, n_end in chunks:
+        rows = (qi[s:e], ki, w[s:e], qm[s:e], ckv)
+        chunk = [(0, e - s, idx, n_end)]
+        mass = gluon_hopper.teacher_mass(qm[s:e], ckv, idx, full_lse[s:e], scale, n_end=n_end)
+        _, full2, rowstat, g = _kl_forward(rows, full_lse[s:e], chunk, K, scale, True, config, True, mass)
+        dq, dk, dw = _kl_backward(grad_kl[s:e], rows, full2, rowstat, g, chunk, K, scale, bwd_config, True)
+        d_qi[s:e], d_w[s:e] = dq, dw
+        d_ki += dk
+    return d_qi, d_ki, d_w
 
 
 def _tiles(config: dict | None, default: dict, keys: tuple[str, ...]) -> list[int]:

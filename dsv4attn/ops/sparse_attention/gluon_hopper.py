@@ -256,19 +256,20 @@ if IMPORTED:
             [4, 4], [REGS[0], REGS[1]])
 
     @gluon.jit
-    def _mass_producer(Q, CKV, IDX, H, K, q_smem, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _mass_producer(Q, CKV, IDX, NEND, H, K, q_smem, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr):
         t, hb = program_row(H)
-        _pp_producer(Q, CKV, IDX, H, K, gl.cdiv(K, BLOCK_N), t, hb, q_smem, ring, full, empty, D, BLOCK_N, STAGES)
+        _pp_producer(Q, CKV, IDX, H, K, row_blocks(NEND, t, BLOCK_N), t, hb, q_smem, ring, full, empty, D, BLOCK_N,
+                     STAGES)
 
     @gluon.jit
-    def _mass_consumer(IDX, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
+    def _mass_consumer(IDX, NEND, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
                        W: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        # Teacher mass, consumer warpgroup W: blocks b = W, W + 2, ... (independent: no hand-over between the
-        # consumers): s = Q C^T, then m(j) = sum over this head block of exp(scale s_h(j) - L_h) for the valid
-        # slots j, stored to MASS[hb, t, j]; the ring stage is released right after the product. The difference is
-        # formed in natural units before the change to base 2: its rounding then scales with |scale s - L|, small
-        # for the slots that carry the mass, not with |L|.
+        # Teacher mass, consumer warpgroup W: blocks b = W, W + 2, ... up to the row's last valid slot (independent:
+        # no hand-over between the consumers): s = Q C^T, then m(j) = sum over this head block of
+        # exp(scale s_h(j) - L_h) for the valid slots j, stored to MASS[hb, t, j]; the ring stage is released right
+        # after the product. The difference is formed in natural units before the change to base 2: its rounding
+        # then scales with |scale s - L|, small for the slots that carry the mass, not with |L|.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         t, hb = program_row(H)
@@ -278,7 +279,7 @@ if IMPORTED:
         full_lse = gl.where(full_lse == float("-inf"), 0.0, full_lse)    # a head without valid slots: p all 0
         s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
         row_base = t * K
-        for b in range(W, gl.cdiv(K, BLOCK_N), 2):
+        for b in range(W, row_blocks(NEND, t, BLOCK_N), 2):
             n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
             mbarrier.wait(full.index(b % STAGES), (b // STAGES) & 1)
@@ -290,7 +291,37 @@ if IMPORTED:
             gl.store(plane + row_base + n, mass, mask=n < K)
 
     @gluon.jit
-    def _teacher_mass_gluon(Q, CKV, IDX, FULL_LSE, MASS, H, K, qk_scale,
+    def _lse_consumer(IDX, NEND, LSE, H, K, qk_scale_log2, q_smem, ring, full, empty,
+                      W: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # Teacher LSE, consumer warpgroup W: blocks b = W, W + 2, ... up to the row's last valid slot; per head the
+        # online log2-sum-exp2 of scale log2(e) s_h(j) over this consumer's valid slots, stored (natural log, -inf
+        # for none) to LSE[W, t, h]: the caller adds the two consumers' parts. Rows reduce inside a quad of threads.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        t, hb = program_row(H)
+        heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=row_layout)
+        # A finite floor for the running max: exp2(-inf - m) is then 0 for empty slots and never NaN.
+        m_i = gl.full([BLOCK_H_C], -1.0e30, gl.float32, layout=row_layout)
+        l_i = gl.zeros([BLOCK_H_C], gl.float32, layout=row_layout)
+        s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
+        row_base = t * K
+        for b in range(W, row_blocks(NEND, t, BLOCK_N), 2):
+            n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
+            mbarrier.wait(full.index(b % STAGES), (b // STAGES) & 1)
+            fence_async_shared()
+            s = warpgroup_mma(q_smem, ring.index(b % STAGES).permute((1, 0)), s_zero, use_acc=False)
+            mbarrier.arrive(empty.index(b % STAGES))
+            s = gl.where((idx >= 0)[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            l_i = l_i * gl.exp2(m_i - m_new) + gl.sum(gl.exp2(s - m_new[:, None]), 1)
+            m_i = m_new
+        lse = gl.where(l_i > 0.0, (m_i + gl.log2(l_i)) / LOG2E_C, float("-inf"))
+        gl.store(LSE + (W * (gl.num_programs(0) // (H // BLOCK_H_C)) + t) * H + heads, lse)
+
+    @gluon.jit
+    def _teacher_mass_gluon(Q, CKV, IDX, NEND, FULL_LSE, MASS, H, K, qk_scale,
                             D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
                             REGS: gl.constexpr):
         # MASS: (H // 64, T, K) fp32, one plane per head block (summed by the caller). Every partition derives its
@@ -306,11 +337,32 @@ if IMPORTED:
         full = mbarriers(STAGES, 128)
         empty = mbarriers(STAGES, 1)           # each stage is used by one consumer
         gl.warp_specialize([
-            (_mass_consumer, (IDX, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
+            (_mass_consumer, (IDX, NEND, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
                               gl.constexpr(0), BLOCK_N, STAGES)),
-            (_mass_consumer, (IDX, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
+            (_mass_consumer, (IDX, NEND, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
                               gl.constexpr(1), BLOCK_N, STAGES)),
-            (_mass_producer, (Q, CKV, IDX, H, K, q_smem, ring, full, empty, D, BLOCK_N, STAGES))],
+            (_mass_producer, (Q, CKV, IDX, NEND, H, K, q_smem, ring, full, empty, D, BLOCK_N, STAGES))],
+            [4, 4], [REGS[0], REGS[1]])
+
+    @gluon.jit
+    def _teacher_lse_gluon(Q, CKV, IDX, NEND, LSE, H, K, qk_scale_log2,
+                           D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+                           REGS: gl.constexpr):
+        # LSE: (2, T, H) fp32, one part per consumer (added by the caller). Same producer, ring and partition
+        # rules as _teacher_mass_gluon.
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H_C, D],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
+        ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
+        full = mbarriers(STAGES, 128)
+        empty = mbarriers(STAGES, 1)
+        gl.warp_specialize([
+            (_lse_consumer, (IDX, NEND, LSE, H, K, qk_scale_log2, q_smem, ring, full, empty, gl.constexpr(0),
+                             BLOCK_N, STAGES)),
+            (_lse_consumer, (IDX, NEND, LSE, H, K, qk_scale_log2, q_smem, ring, full, empty, gl.constexpr(1),
+                             BLOCK_N, STAGES)),
+            (_mass_producer, (Q, CKV, IDX, NEND, H, K, q_smem, ring, full, empty, D, BLOCK_N, STAGES))],
             [4, 4], [REGS[0], REGS[1]])
 
 
@@ -344,23 +396,47 @@ def launch_fwd(q, kv, idx, sink, out, lse, scale, config=None, rope=None):
         ROPE=0 if rope is None else cos.shape[1])
 
 
-def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None):
-    """Indexer-KL teacher mass m(t, j) = sum_h exp(scale q[t, h] . C[candidates[t, j]] - full_lse[t, h]) for the
-    valid slots (0 for -1 slots): q (T, H, D) bf16/fp16 with :func:`available`, compressed_kv (N >= 1, D) in q's
-    dtype, candidates (T, K) int32, full_lse (T, H) fp32 natural log -> (T, K) fp32. The KL's teacher logits, on the
-    attention forward's producer + ring; what ``indexer_kl(..., full_lse=...)`` would otherwise form in Triton."""
-    cfg = checked_config(config, "teacher_mass config")
+def _teacher_config(config, what: str) -> dict:
+    cfg = checked_config(config, what)
     if cfg["STAGES"] < 2 or cfg["STAGES"] % 2:
         # Each consumer takes every other block, so with an even ring each owns its stages; with an odd one a
         # consumer's parity wait on a stage it skipped a use of would rely on the order the copies complete.
-        raise ValueError(f"teacher_mass config: STAGES must be even and >= 2, got {cfg['STAGES']}")
+        raise ValueError(f"{what}: STAGES must be even and >= 2, got {cfg['STAGES']}")
+    return cfg
+
+
+def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None, n_end=None):
+    """Indexer-KL teacher mass m(t, j) = sum_h exp(scale q[t, h] . C[candidates[t, j]] - full_lse[t, h]) for the
+    valid slots (0 for -1 slots): q (T, H, D) bf16/fp16 with :func:`available`, compressed_kv (N >= 1, D) in q's
+    dtype, candidates (T, K) int32, full_lse (T, H) fp32 natural log -> (T, K) fp32. The KL's teacher logits, on the
+    attention forward's producer + ring; what ``indexer_kl(..., full_lse=...)`` would otherwise form in Triton.
+    ``n_end``: the candidates' row ends (``index_sets.row_ends``) if the caller has them; each row's blocks stop at
+    its last valid slot."""
+    cfg = _teacher_config(config, "teacher_mass config")
     T, H, D = q.shape
     K = candidates.shape[1]
-    planes = torch.empty(H // BLOCK_H, T, K, dtype=torch.float32, device=q.device)
+    # Zeros: the slots past a row's last valid one are not written.
+    planes = torch.zeros(H // BLOCK_H, T, K, dtype=torch.float32, device=q.device)
     if T and K:
         _teacher_mass_gluon[(T * (H // BLOCK_H),)](
-            q, compressed_kv, candidates, full_lse.float().contiguous(), planes, H, K, scale,
+            q, compressed_kv, candidates, row_ends(candidates) if n_end is None else n_end,
+            full_lse.float().contiguous(), planes, H, K, scale,
             D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
-    else:
-        planes.zero_()
     return planes[0] if planes.shape[0] == 1 else planes.sum(0)
+
+
+def teacher_lse(q, compressed_kv, candidates, scale, config=None, n_end=None):
+    """Per head, the natural-log sum of exp(scale q[t, h] . C[candidates[t, j]]) over the valid slots j (-inf for a
+    row without one): (T, H) fp32, for q / compressed_kv / candidates as :func:`teacher_mass` takes them. The
+    teacher's mass over its candidates, for a full denominator that is not the attention's own (the warm-up's
+    every visible entry)."""
+    cfg = _teacher_config(config, "teacher_lse config")
+    T, H, D = q.shape
+    K = candidates.shape[1]
+    if T == 0 or K == 0:
+        return torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    parts = torch.empty(2, T, H, dtype=torch.float32, device=q.device)
+    _teacher_lse_gluon[(T * (H // BLOCK_H),)](
+        q, compressed_kv, candidates, row_ends(candidates) if n_end is None else n_end, parts, H, K, scale * LOG2E,
+        D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
+    return torch.logaddexp(parts[0], parts[1])
