@@ -278,7 +278,118 @@ def _worker() -> None:
     )
     results["op"] = _op_checks(klt, inputs)
     results["mass_given"] = _mass_given_check(klt)
+    results["gluon_teacher"] = _gluon_teacher_check(klt)
     print("RESULTS " + json.dumps(results))
+
+
+def _gluon_teacher_check(klt) -> dict:
+    """The warm-up's Gluon-teacher path (lazy sets, outside mass given, several chunks) with its two Gluon kernels
+    stood in for by float64 torch versions: the dataflow around them (per-chunk full denominators and mass, the
+    full form, the backward's mass again) against the float64 reference; and its fallbacks: a build failure of a
+    Gluon kernel in the forward or the backward warns and falls back, a bug in one (not a build failure) and every
+    error of the Triton kernels propagate."""
+    import warnings
+
+    from triton.runtime.errors import PTXASError
+
+    from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
+    from dsv4attn.ops.sparse_attention import gluon_hopper
+
+    def logits(qm, ckv, idx, scale):
+        valid = idx >= 0
+        s = torch.einsum("thd,tkd->thk", qm.double(), ckv.double()[idx.long().clamp(min=0)]) * scale
+        return s.masked_fill(~valid[:, None, :], float("-inf")), valid
+
+    def teacher_lse(qm, ckv, idx, scale, config=None, n_end=None):
+        return torch.logsumexp(logits(qm, ckv, idx, scale)[0], -1).float()
+
+    def teacher_mass(qm, ckv, idx, full_lse, scale, config=None, n_end=None):
+        s, valid = logits(qm, ckv, idx, scale)
+        full = full_lse.double().masked_fill(full_lse == float("-inf"), 0.0)   # such heads have only -inf logits
+        return torch.where(valid, torch.exp(s - full[..., None]).sum(1), 0.0).float().contiguous()
+
+    calls = {"lse": 0, "mass": 0}
+    fail = {"lse": None, "mass": None}
+
+    def stub(name, fn):
+        def run(*a, **k):
+            calls[name] += 1
+            if fail[name] is not None:
+                raise fail[name]
+            return fn(*a, **k)
+        return run
+
+    real = klt._gluon_teacher, gluon_hopper.teacher_lse, gluon_hopper.teacher_mass, klt.INDEX_BUDGET
+    c = CASES["bf16-visible-multi-block-recompute-chunks"]
+    inputs = _inputs(c, 23)
+    exact = _run(indexer_kl_reference, inputs, widen=True)
+    low = _run(indexer_kl_reference, inputs)
+    fwd = dict(klt.FWD_CONFIG, **c["fwd"])
+
+    def kernel(save_g=True):
+        saved = klt.SAVE_G_MAX_WIDTH
+        klt.SAVE_G_MAX_WIDTH = saved if save_g else -1
+        try:
+            return _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd), inputs)
+        finally:
+            klt.SAVE_G_MAX_WIDTH = saved
+
+    out = {}
+    klt.INDEX_BUDGET = c["budget"]
+    plain = kernel(save_g=False)                                # the two-pass form (no SM90 here)
+    klt._gluon_teacher = lambda qm, K: True
+    gluon_hopper.teacher_lse, gluon_hopper.teacher_mass = stub("lse", teacher_lse), stub("mass", teacher_mass)
+    try:
+        chunks = len(list(klt.chunk_rows(inputs[0].shape[0], inputs[6].width, budget=klt.INDEX_BUDGET)))
+        for save_g in (True, False):
+            calls.update(lse=0, mass=0)
+            out[f"stubbed-save-{save_g}"] = _compare(kernel(save_g), low, exact)
+            out[f"calls-save-{save_g}"] = [calls["lse"], calls["mass"], chunks]
+        variants.FAILED.clear()
+        fail["lse"] = PTXASError("cannot build")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fell_back = kernel(save_g=False)
+        out["forward_fallback"] = dict(
+            equals_two_pass=all(torch.equal(a, b) for a, b in zip(fell_back, plain)),
+            warned=any("could not be built" in str(w.message) for w in caught),
+            recorded=any(key[:2] == ("indexer_kl", "teacher_mass") for key in variants.FAILED))
+        variants.FAILED.clear()
+        fail["lse"] = None
+        real_bwd = klt._kl_backward_gluon_teacher
+
+        def failing_bwd(*a, **k):                               # the forward's kernels work, the backward's fail
+            fail["mass"] = PTXASError("cannot build")
+            return real_bwd(*a, **k)
+        klt._kl_backward_gluon_teacher = failing_bwd
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out["backward_fallback"] = _compare(kernel(save_g=False), low, exact)
+        out["backward_fallback_warned"] = any("could not be built" in str(w.message) for w in caught)
+        klt._kl_backward_gluon_teacher = real_bwd
+        variants.FAILED.clear()
+        fail["mass"] = ValueError("a bug")
+        try:
+            kernel()
+            out["bug_propagates"] = False
+        except ValueError as exc:
+            out["bug_propagates"] = str(exc) == "a bug" and not variants.FAILED
+        fail["mass"] = None
+        real_launch = klt._launch
+
+        def failing_launch(*a, **k):
+            raise PTXASError("a Triton KL kernel")
+        klt._launch = failing_launch
+        try:
+            kernel()
+            out["triton_error_propagates"] = False
+        except PTXASError as exc:
+            out["triton_error_propagates"] = "a Triton KL kernel" in str(exc) and not variants.FAILED
+        klt._launch = real_launch
+    finally:
+        klt._gluon_teacher, gluon_hopper.teacher_lse, gluon_hopper.teacher_mass, klt.INDEX_BUDGET = real
+        variants.FAILED.clear()
+    return out
 
 
 def _mass_given_check(klt) -> dict:
@@ -425,6 +536,33 @@ def test_forward_with_the_teacher_mass_given_equals_forming_it(interpreted, what
     assert interpreted["mass_given"]["other_mass_changes_kl"]
 
 
+@pytest.mark.parametrize("save_g", [True, False], ids=["saved", "mass-again-in-backward"])
+def test_gluon_teacher_dataflow_matches_float64(interpreted, save_g):
+    """The warm-up's Gluon-teacher path over several chunks, its Gluon kernels stood in for by float64 torch versions
+    (the GPU tests run the real ones): the bounds of the kernels' own tests; teacher_lse once per chunk, the mass
+    once per chunk in the forward and, without a saved dKL/dI, once more in the backward."""
+    m = interpreted["gluon_teacher"]
+    _assert_within_bounds(f"gluon-teacher-save-{save_g}", m[f"stubbed-save-{save_g}"], low_precision=True)
+    lse, mass, chunks = m[f"calls-save-{save_g}"]
+    assert chunks > 1 and lse == chunks and mass == (chunks if save_g else 2 * chunks), (lse, mass, chunks)
+
+
+@pytest.mark.parametrize("check", ["forward_fallback", "backward_fallback", "bug_propagates",
+                                   "triton_error_propagates"])
+def test_gluon_teacher_fallbacks(interpreted, check):
+    """A Gluon teacher kernel that cannot be built falls back (forward: the two-pass form, bit for bit; backward:
+    the Triton recompute, within the bounds) and warns; a bug in one, or an error of a Triton KL kernel, propagates
+    and records no build failure."""
+    m = interpreted["gluon_teacher"]
+    if check == "forward_fallback":
+        assert all(m[check].values()), m[check]
+    elif check == "backward_fallback":
+        assert m["backward_fallback_warned"]
+        _assert_within_bounds("gluon-teacher-backward-fallback", m[check], low_precision=True)
+    else:
+        assert m[check]
+
+
 def test_no_compressed_entries(interpreted):
     m = interpreted["edge"]["no_keys"]
     assert m["all_zero"] and m["dk_shape"][0] == 0
@@ -533,6 +671,25 @@ def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, score
 
 
 @GPU
+@pytest.mark.parametrize("save_g", [True, False], ids=["saved", "mass-again-in-backward"])
+def test_gpu_warmup_teacher_over_several_chunks_wider_than_1024(save_g, monkeypatch):
+    """The warm-up's teacher at a width past SAVE_G_MAX_WIDTH's default (2048 candidates per row at the end of the
+    pack's 8192-row document) over several row chunks: on SM90 the Gluon teacher kernels per chunk and the Gluon KL
+    backward on each chunk's dKL/dI; elsewhere the two-pass form. Bounds as in the other GPU cases."""
+    from dsv4attn.ops.indexer_loss import triton as klt
+    from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
+
+    inputs = flash_inputs(16384, "warmup", seed=2)
+    width = inputs[6].width
+    monkeypatch.setattr(klt, "INDEX_BUDGET", 4096 * width)        # 4096 rows per chunk: 4 chunks
+    monkeypatch.setattr(klt, "SAVE_G_MAX_WIDTH", width if save_g else -1)
+    assert width > 1024 and len(list(klt.chunk_rows(16384, width, budget=klt.INDEX_BUDGET))) > 1
+    kernel = _run(klt.indexer_kl_triton, inputs)
+    measured = _compare(kernel, _run(indexer_kl_reference, inputs), _run(indexer_kl_reference, inputs, widen=True))
+    _assert_within_bounds(f"warmup-T16384-chunks-save-{save_g}", measured, low_precision=True)
+
+
+@GPU
 def test_gpu_compile_fullgraph_and_cuda_graph_match_eager():
     """The registered ops on the GPU (sparse-phase candidates): torch.compile(fullgraph=True) forward + backward
     equals eager (bitwise but for d index_k, whose fp32 atomics add in a varying order), and the no-grad forward
@@ -586,7 +743,7 @@ def test_gluon_teacher_mass_dispatch(monkeypatch):
     def broken(*a, **k):
         raise PTXASError("cannot build")
     monkeypatch.setattr(gluon_hopper, "teacher_mass", broken)
-    built = r"teacher-mass kernel \(_teacher_mass_gluon\) could not be built for D=128"
+    built = r"teacher kernels \(_teacher_mass_gluon, _teacher_lse_gluon\) could not be built for D=128"
     with pytest.warns(RuntimeWarning, match=built):
         assert klt._gluon_teacher_mass(operands, idx, full, 0.1) is None
     assert ("indexer_kl", "teacher_mass", (128, torch.bfloat16)) in variants.FAILED

@@ -1,4 +1,5 @@
-"""Backward of the indexer KL loss for Hopper (SM90) in Gluon, for the saved-gradient form (sparse phase, K <= 1024).
+"""Backward of the indexer KL loss for Hopper (SM90) in Gluon, for the saved-gradient form (any K: the sparse phase,
+and the warm-up's chunks once dKL/dI is formed for them).
 
 Contract (that of ``triton._indexer_kl_bwd_kernel`` with ``HAS_G``): ``qi (T, 64, 128)``, ``ki (Nk, 128)`` bf16/fp16
 of one dtype, ``w (T, 64)`` fp32, ``idx (T, K)`` int32 (-1 = empty), ``n_end (T,)`` int32 (a row's last valid slot

@@ -27,12 +27,15 @@ the KL terms with the LSE and Z known; on SM90 mass(j) can come from a Gluon ker
 ``gluon_hopper.teacher_lse`` forms each head's LSE over the candidates, ``logaddexp`` with ``outside_lse`` gives L_h,
 ``teacher_mass`` the mass, and the full-denominator form runs on them (tensor cores for the H x D teacher logits
 instead of the two-pass form's two Triton passes: 457 -> 241 ms for a warm-up CSA layer at 32K, BENCHMARKS.md).
-Rows too wide to save dKL/dI form the mass again per chunk in the backward.
+Rows too wide to save dKL/dI form the mass again per chunk in the backward (then dKL/dI from the forward kernel, then
+the saved-gradient backward). Only a Gluon kernel's own error falls back to the two-pass form (a build failure warns
+once; other errors propagate); an error of the Triton KL kernels is never taken for one.
 
 The forward saves dKL/dI per slot, ``G(j) = Q(j) sum T - T(j)`` (fp32, (T, K)), when K <= ``SAVE_G_MAX_WIDTH``,
 so that the backward does not recompute the teacher (the bulk of the work: H x D per candidate against Hi x Di for
-the student). Wider rows save per-row statistics (log2 of each head's full denominator, the student's LSE, the
-floored Z and sum T) and the backward recomputes T(j) block by block.
+the student). Wider rows save per-row statistics (each head's full denominator: log2 after the two-pass form, the
+natural-log L after the full form; the student's LSE, the floored Z and sum T) and the backward recomputes T(j) block
+by block (on the Gluon-teacher path: the mass per chunk, as above).
 
 Backward, one program per query row: recompute the student dots x[g, j] = <qi[t, g], ki_j>, take
 ``dI = grad_kl[t] * G``, then ``d index_weights[t, g] = sum_j dI relu(x)``, ``dx = dI w[t, g] 1[x > 0]``,
@@ -53,8 +56,10 @@ direction and CUDA graphs can capture them. Lazy index sets (the warm-up's every
 ``max_seqlen // 4`` wide) keep an autograd Function that materialises them one chunk of query rows at a time, in
 both directions: a custom op would have to take (and save) the whole (T, K) tensor. Inside ``torch.compile`` they
 take the custom ops anyway, materialised whole (dynamo cannot trace the Function's launches). Both paths launch the same
-kernels through the same helpers, so they give the same bits. The kernels need a CUDA device, or the CPU
-interpreter (``TRITON_INTERPRET=1``).
+kernels through the same helpers, so they give the same bits, with one exception: on SM90 the lazy path's warm-up
+teacher (``outside_lse`` given) runs the Gluon teacher kernels, while the custom op keeps the two-pass form there
+(the same loss, other last bits, and slower: a compiled warm-up does not yet get the Gluon teacher). The kernels need
+a CUDA device, or the CPU interpreter (``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
@@ -490,7 +495,7 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     ``full``, the student logits I(j) (T, K) formed beforehand (the top-k's). ``gluon_teacher`` (not ``full``):
     each chunk's full denominators and teacher mass come from the Gluon teacher kernels
     (:func:`_gluon_full_and_mass`), then the kernel runs the full-denominator form on them; ``full2`` then holds
-    the natural-log L (as with ``full``). Raises if a Gluon kernel fails.
+    the natural-log L (as with ``full``). A Gluon kernel's error is raised as :class:`GluonTeacherFailed` (its cause).
 
     Returns kl (T,), full2 (T, H), rowstat (T, 3) and G (T, K) (None unless ``save_g``), all fp32.
     """
@@ -524,13 +529,17 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
         if scores_given:     # log2(e) I(j) where the kernel reads them; 0 at empty slots, as if never written
             g_rows.copy_(scores[s:e]).mul_(1.4426950408889634).masked_fill_(idx < 0, 0.0)     # in place, no temporary
         if gluon_teacher:
-            outside_rows, mass_rows = _gluon_full_and_mass(qm[s:e], ckv, outside[s:e], idx, n_end, scale)
+            try:
+                outside_rows, mass_rows = _gluon_full_and_mass(qm[s:e], ckv, outside[s:e], idx, n_end, scale)
+            except Exception as exc:
+                raise GluonTeacherFailed() from exc
         else:
             outside_rows, mass_rows = outside[s:e], rows_of("mass", mass, s, e) if full else kl
         _launch(_indexer_kl_fwd_kernel, e - s,
                 (qi[s:e], ki, w[s:e], qm[s:e], ckv, outside_rows, idx, n_end, kl[s:e], full2[s:e], rowstat[s:e],
                  g_rows, mass_rows, K, scale * 1.4426950408889634, scale, FLT_MIN),
                 meta, launch, _fwd_shrink)
+        del outside_rows, mass_rows              # one chunk's (rows, K) buffers at a time, not two
     return kl, full2, rowstat, g_buf
 
 
@@ -573,6 +582,20 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
                  full2[s:e], rowstat[s:e], d_qi[s:e], d_ki, d_w[s:e], K, scale * 1.4426950408889634, scale),
                 meta, launch, _bwd_shrink)
     return d_qi, d_ki, d_w
+
+
+class GluonTeacherFailed(Exception):
+    """A Gluon teacher kernel (``teacher_lse`` / ``teacher_mass``) raised; the error is the ``__cause__``. Only
+    this is a reason to fall back to the Triton teacher: an error of the Triton KL kernels propagates as it is."""
+
+
+def _note_teacher_failure(failed: GluonTeacherFailed, qm: torch.Tensor) -> None:
+    """Fall back from a failed Gluon teacher: re-raises the kernel's error unless it is a build failure (or the
+    Gluon kernels were asked for), else records it and warns once."""
+    if variants.strict():
+        raise failed.__cause__
+    variants.note_gluon_build_failure(failed.__cause__, "indexer_kl", "teacher_mass", (qm.shape[2], qm.dtype),
+                                      "the Triton KL kernel forms the teacher")
 
 
 def _gluon_teacher(qm: torch.Tensor, K: int) -> bool:
@@ -718,11 +741,8 @@ class _IndexerKLTriton(torch.autograd.Function):
                 chunk_list = chunks()
                 kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, chunk_list, K, scale, save_g, config,
                                                         gluon_teacher=True)
-            except Exception as exc:
-                if variants.strict():
-                    raise
-                variants.note_gluon_build_failure(exc, "indexer_kl", "teacher_mass", (q.shape[2], q.dtype),
-                                                  "the Triton KL kernel forms the teacher")
+            except GluonTeacherFailed as failed:
+                _note_teacher_failure(failed, q)
                 gluon_teacher = False
         if not gluon_teacher:
             chunk_list = chunks()
@@ -747,11 +767,8 @@ class _IndexerKLTriton(torch.autograd.Function):
                                                              ctx.scale, ctx.config, ctx.bwd_config)
                 return (d_qi.to(dt_q), d_ki[:n_keys].to(dt_k), d_w.to(dt_w), None, None, None, None, None, None,
                         None, None)
-            except Exception as exc:
-                if variants.strict():
-                    raise
-                variants.note_gluon_build_failure(exc, "indexer_kl", "teacher_mass", (qm.shape[2], qm.dtype),
-                                                  "the Triton KL kernel forms the teacher")
+            except GluonTeacherFailed as failed:
+                _note_teacher_failure(failed, qm)
                 chunks = _lazy_chunks(ctx.candidates, ctx.ranges)
         # full2 holds the natural-log L after either full form, which the recomputing kernel then reads as such.
         d_qi, d_ki, d_w = _kl_backward(grad_kl, (qi, ki, w, qm, ckv), full2, rowstat, g_buf, chunks, K, ctx.scale,
@@ -773,7 +790,10 @@ def _kl_backward_gluon_teacher(grad_kl, operands, full_lse, chunks, K: int, scal
     for s, e, idx, n_end in chunks:
         rows = (qi[s:e], ki, w[s:e], qm[s:e], ckv)
         chunk = [(0, e - s, idx, n_end)]
-        mass = gluon_hopper.teacher_mass(qm[s:e], ckv, idx, full_lse[s:e], scale, n_end=n_end)
+        try:
+            mass = gluon_hopper.teacher_mass(qm[s:e], ckv, idx, full_lse[s:e], scale, n_end=n_end)
+        except Exception as exc:
+            raise GluonTeacherFailed() from exc
         _, full2, rowstat, g = _kl_forward(rows, full_lse[s:e], chunk, K, scale, True, config, True, mass)
         dq, dk, dw = _kl_backward(grad_kl[s:e], rows, full2, rowstat, g, chunk, K, scale, bwd_config, True)
         d_qi[s:e], d_w[s:e] = dq, dw
@@ -852,7 +872,8 @@ variants.register("indexer_kl", "forward", variants.Variant("triton", "KL forwar
                                                             variants.always, variants.always))
 variants.register(
     "indexer_kl", "teacher_mass",
-    variants.Variant("gluon", "teacher-mass kernel (_teacher_mass_gluon)", lambda qm: gluon_hopper.check(qm), sm90),
+    variants.Variant("gluon", "teacher kernels (_teacher_mass_gluon, _teacher_lse_gluon)",
+                     lambda qm: gluon_hopper.check(qm), sm90),
     variants.Variant("triton", "teacher mass inside the KL forward kernel (_indexer_kl_fwd_kernel)",
                      variants.always, variants.always))
 variants.register(

@@ -31,7 +31,9 @@ Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_
   block ahead. The output goes out through the consumer's (free by then) half of q's shared memory, for
   whole-sector stores.
 
-:func:`teacher_mass` reuses the producer and ring for the indexer KL's teacher mass (two independent consumers).
+:func:`teacher_mass` reuses the producer and ring for the indexer KL's teacher mass (two independent consumers), and
+:func:`teacher_lse` for each head's LSE over the candidates (the warm-up teacher's full denominators: two consumer
+parts combined by logaddexp).
 
 No cross-warpgroup reductions: each block's softmax lives in one warpgroup (rows reduce inside a quad of threads).
 Gluon kernels run only on the GPU (no interpreter): the tests compare this kernel with the float64 reference on the
