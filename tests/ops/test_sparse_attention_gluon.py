@@ -162,6 +162,20 @@ def test_gluon_config_keys_are_checked():
             gluon_hopper.teacher_mass(q, None, None, None, 0.1, {"BLOCK_N": block_n})
 
 
+def _teacher_inputs(H, D, K, dtype, seed):
+    """(T, q, compressed_kv, candidates, scale, the generator for further draws) on the GPU for the teacher kernels:
+    20% of the slots empty, row 5 without any valid slot, row 7 ending halfway (its blocks stop there)."""
+    gen = torch.Generator().manual_seed(seed)
+    T, N = 40, 700
+    q = torch.randn(T, H, D, generator=gen).to("cuda", dtype)
+    ckv = torch.randn(N, D, generator=gen).to("cuda", dtype)
+    idx = torch.randint(0, N, (T, K), generator=gen, dtype=torch.int32)
+    idx = idx.masked_fill(torch.rand(T, K, generator=gen) < 0.2, -1).cuda()
+    idx[5] = -1
+    idx[7, K // 2:] = -1
+    return T, q, ckv, idx, D ** -0.5, gen
+
+
 @sm90
 @pytest.mark.parametrize("H,D,K,dtype,config", [
     (64, 512, 512, torch.bfloat16, None), (128, 512, 300, torch.bfloat16, None), (64, 256, 64, torch.float16, None),
@@ -173,16 +187,8 @@ def test_teacher_mass_matches_float64(H, D, K, dtype, config):
     cuBLAS's bf16 GEMM with an fp32 result), both against float64 on the same rounded inputs, + 1e-6 of the largest
     mass. (An fp32 SIMT GEMM accumulates with round-to-nearest: ~7x more precise than any tensor-core product at
     D = 512, which is why it is not the yardstick here; the end-to-end KL tests do compare with it.)"""
-    gen = torch.Generator().manual_seed(H + D + K)
-    T, N = 40, 700
-    q = torch.randn(T, H, D, generator=gen).to("cuda", dtype)
-    ckv = torch.randn(N, D, generator=gen).to("cuda", dtype)
-    idx = torch.randint(0, N, (T, K), generator=gen, dtype=torch.int32)
-    idx = idx.masked_fill(torch.rand(T, K, generator=gen) < 0.2, -1).cuda()
-    idx[5] = -1
-    idx[7, K // 2:] = -1                                  # rows that end early: their blocks stop there
+    T, q, ckv, idx, scale, gen = _teacher_inputs(H, D, K, dtype, H + D + K)
     idx[9, 3:] = -1
-    scale = D ** -0.5
     full = (torch.randn(T, H, generator=gen) + 8.0)
     full[5, :3] = float("-inf")                          # heads of a row without valid slots: L = -inf allowed
     full = full.cuda()
@@ -209,17 +215,9 @@ def test_teacher_lse_matches_float64(H, D, K, dtype, config):
     Gluon kernel: error <= 2x that of the same LSE formed by PyTorch from tensor-core logits (bf16 products, fp32
     sums), both against float64 on the same rounded inputs, + 1e-6 of the largest |LSE|; -inf exactly for a row
     without a valid slot; rows that end early, K not a multiple of the block, two head blocks."""
-    gen = torch.Generator().manual_seed(H + D + K + 1)
-    T, N = 40, 700
-    q = torch.randn(T, H, D, generator=gen).to("cuda", dtype)
-    ckv = torch.randn(N, D, generator=gen).to("cuda", dtype)
-    idx = torch.randint(0, N, (T, K), generator=gen, dtype=torch.int32)
-    idx = idx.masked_fill(torch.rand(T, K, generator=gen) < 0.2, -1).cuda()
-    idx[5] = -1
-    idx[7, K // 2:] = -1
+    T, q, ckv, idx, scale, _ = _teacher_inputs(H, D, K, dtype, H + D + K + 1)
     idx[9, 1:] = -1
     idx[9, 0] = 3
-    scale = D ** -0.5
     rows = ckv[idx.long().clamp(min=0)]                                           # (T, K, D)
 
     def lse(logits):

@@ -323,6 +323,16 @@ if IMPORTED:
         gl.store(LSE + (W * (gl.num_programs(0) // (H // BLOCK_H_C)) + t) * H + heads, lse)
 
     @gluon.jit
+    def _teacher_buffers(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # The teacher kernels' shared memory: q of the head block, the ring of STAGES gathered blocks, and its
+        # barriers (full: the producer's 128 threads arrive; empty: each stage is used by one consumer).
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H_C, D],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
+        ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
+        return q_smem, ring, mbarriers(STAGES, 128), mbarriers(STAGES, 1)
+
+    @gluon.jit
     def _teacher_mass_gluon(Q, CKV, IDX, NEND, FULL_LSE, MASS, H, K, qk_scale,
                             D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
                             REGS: gl.constexpr):
@@ -331,13 +341,7 @@ if IMPORTED:
         # through a shared-memory slot, and Triton 3.9 placed that slot inside the first consumer's reduction
         # scratch (its head sum reduces across warps), so the other partitions could read a clobbered pointer
         # (wrong masses on the GPU; tests/ops/test_gluon_builds.py checks every kernel for such an overlap).
-        dtype: gl.constexpr = Q.dtype.element_ty
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H_C, D],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
-        ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
-        full = mbarriers(STAGES, 128)
-        empty = mbarriers(STAGES, 1)           # each stage is used by one consumer
+        q_smem, ring, full, empty = _teacher_buffers(Q.dtype.element_ty, D, BLOCK_N, STAGES)
         gl.warp_specialize([
             (_mass_consumer, (IDX, NEND, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
                               gl.constexpr(0), BLOCK_N, STAGES)),
@@ -352,13 +356,7 @@ if IMPORTED:
                            REGS: gl.constexpr):
         # LSE: (2, T, H) fp32, one part per consumer (added by the caller). Same producer, ring and partition
         # rules as _teacher_mass_gluon.
-        dtype: gl.constexpr = Q.dtype.element_ty
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H_C, D],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
-        ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
-        full = mbarriers(STAGES, 128)
-        empty = mbarriers(STAGES, 1)
+        q_smem, ring, full, empty = _teacher_buffers(Q.dtype.element_ty, D, BLOCK_N, STAGES)
         gl.warp_specialize([
             (_lse_consumer, (IDX, NEND, LSE, H, K, qk_scale_log2, q_smem, ring, full, empty, gl.constexpr(0),
                              BLOCK_N, STAGES)),
