@@ -283,15 +283,17 @@ def _worker() -> None:
 
 
 def _gluon_teacher_check(klt) -> dict:
-    """The warm-up's Gluon-teacher path (lazy sets, outside mass given, several chunks) with its two Gluon kernels
-    stood in for by float64 torch versions: the dataflow around them (per-chunk full denominators and mass, the
-    full form, the backward's mass again) against the float64 reference; and its fallbacks: a build failure of a
-    Gluon kernel in the forward or the backward warns and falls back, a bug in one (not a build failure) and every
-    error of the Triton kernels propagate."""
+    """The Gluon-teacher path (outside mass given, as in the warm-up, and full_lse given; several chunks; the lazy
+    Function and the registered ops) with its two Gluon kernels stood in for by float64 torch versions: the dataflow
+    around them (per-chunk full denominators and mass, the full form, the backward's mass again) against the float64
+    reference, the two paths bit for bit; and its fallbacks: a build failure of a Gluon kernel in the forward or the
+    backward warns and falls back, a bug in one (not a build failure) and every error of the Triton kernels
+    propagate."""
     import warnings
 
     from triton.runtime.errors import PTXASError
 
+    from dsv4attn.ops.index_sets import Explicit
     from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
     from dsv4attn.ops.sparse_attention import gluon_hopper
 
@@ -326,25 +328,47 @@ def _gluon_teacher_check(klt) -> dict:
     low = _run(indexer_kl_reference, inputs)
     fwd = dict(klt.FWD_CONFIG, **c["fwd"])
 
-    def kernel(save_g=True):
+    def kernel(save_g=True, given=inputs):
         saved = klt.SAVE_G_MAX_WIDTH
         klt.SAVE_G_MAX_WIDTH = saved if save_g else -1
         try:
-            return _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd), inputs)
+            return _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd), given)
+        finally:
+            klt.SAVE_G_MAX_WIDTH = saved
+    explicit = list(inputs)
+    explicit[6] = Explicit(inputs[6].materialize())        # the registered ops (what torch.compile runs)
+
+    def full_form(save_g, given):                          # the full-denominator form, its mass per chunk
+        saved = klt.SAVE_G_MAX_WIDTH
+        klt.SAVE_G_MAX_WIDTH = saved if save_g else -1
+        try:
+            return _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, full=True), _with_full_lse(given))
         finally:
             klt.SAVE_G_MAX_WIDTH = saved
 
     out = {}
     klt.INDEX_BUDGET = c["budget"]
     plain = kernel(save_g=False)                                # the two-pass form (no SM90 here)
-    klt._gluon_teacher = lambda qm, K: True
+    klt._gluon_teacher = lambda qm, K: not variants.FAILED          # as on SM90: until a build failure is recorded
     gluon_hopper.teacher_lse, gluon_hopper.teacher_mass = stub("lse", teacher_lse), stub("mass", teacher_mass)
     try:
         chunks = len(list(klt.chunk_rows(inputs[0].shape[0], inputs[6].width, budget=klt.INDEX_BUDGET)))
         for save_g in (True, False):
             calls.update(lse=0, mass=0)
-            out[f"stubbed-save-{save_g}"] = _compare(kernel(save_g), low, exact)
+            lazy = kernel(save_g)
+            out[f"stubbed-save-{save_g}"] = _compare(lazy, low, exact)
             out[f"calls-save-{save_g}"] = [calls["lse"], calls["mass"], chunks]
+            calls.update(lse=0, mass=0)
+            op = kernel(save_g, explicit)
+            out[f"op-save-{save_g}"] = dict(equals_lazy=all(torch.equal(a, b) for a, b in zip(op, lazy)),
+                                            calls=[calls["lse"], calls["mass"]])
+            calls.update(lse=0, mass=0)
+            lazy_full = full_form(save_g, inputs)
+            lazy_calls = calls["mass"]
+            op_full = full_form(save_g, explicit)
+            out[f"full-save-{save_g}"] = dict(
+                equals_lazy=all(torch.equal(a, b) for a, b in zip(op_full, lazy_full)),
+                mass_calls=[lazy_calls, calls["mass"] - lazy_calls], bounds=_compare(lazy_full, low, exact))
         variants.FAILED.clear()
         fail["lse"] = PTXASError("cannot build")
         with warnings.catch_warnings(record=True) as caught:
@@ -477,7 +501,7 @@ def _op_checks(klt, plumbing_inputs) -> dict:
     _, full2, rowstat, g, n_end = klt.indexer_kl_op(*args[:7], 0.25, False, fwd_tiles, bwd_tiles)
     checks.append(torch.library.opcheck(klt.indexer_kl_backward_op,
                                         (grad_kl.float(), *(t.detach() for t in leaves), q, ckv, cand.indices, n_end,
-                                         full2, rowstat, g, 0.25, bwd_tiles)))
+                                         full2, rowstat, g, 0.25, bwd_tiles, False, fwd_tiles)))
     out["opcheck"] = all(v == "SUCCESS" for check in checks for v in check.values())
 
     # torch.compile(fullgraph=True) of the Triton path with Explicit candidates: one node per direction, same bits.
@@ -545,6 +569,12 @@ def test_gluon_teacher_dataflow_matches_float64(interpreted, save_g):
     _assert_within_bounds(f"gluon-teacher-save-{save_g}", m[f"stubbed-save-{save_g}"], low_precision=True)
     lse, mass, chunks = m[f"calls-save-{save_g}"]
     assert chunks > 1 and lse == chunks and mass == (chunks if save_g else 2 * chunks), (lse, mass, chunks)
+    # The registered ops (materialised candidates, what torch.compile runs) take the same path in the same chunks.
+    assert m[f"op-save-{save_g}"] == dict(equals_lazy=True, calls=[lse, mass]), m[f"op-save-{save_g}"]
+    # The full-denominator form (full_lse given): the mass per chunk, in both paths alike.
+    full = m[f"full-save-{save_g}"]
+    assert full["equals_lazy"] and full["mass_calls"] == [mass] * 2, full
+    _assert_within_bounds(f"gluon-teacher-full-save-{save_g}", full["bounds"], low_precision=True)
 
 
 @pytest.mark.parametrize("check", ["forward_fallback", "backward_fallback", "bug_propagates",
@@ -637,8 +667,8 @@ def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, score
     """full: the full_lse form, its teacher mass from the Gluon kernel where it applies ("gluon": on SM90; other
     GPUs form it in the Triton KL kernel, and the test checks that this is what ran) or forced into the Triton KL
     kernel ("triton"). scores: the student logits given (fp32, as the top-k forms them), to the reference too.
-    warmup: every visible entry with outside_lse; on SM90 the Gluon kernels form the full denominators and the mass
-    (in the backward again when dKL/dI is not saved)."""
+    Without full (outside_lse given: the warm-up, and the sparse case through the registered ops): on SM90 the Gluon
+    kernels form the full denominators and the mass (in the backward again when dKL/dI is not saved)."""
     from dsv4attn.ops.indexer_loss import triton as klt
     from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
 
@@ -646,8 +676,9 @@ def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, score
 
     inputs = flash_inputs(4096, mode)
     given = _with_full_lse(inputs) if full else inputs
-    # The warm-up's teacher (every visible entry, outside_lse given) takes the Gluon teacher kernels too.
-    gluon_expected = (full == "gluon" or mode == "warmup") and gluon_hopper.available(inputs[3])
+    # The outside-mass form (the warm-up's teacher, also through the registered ops) takes the Gluon teacher kernels
+    # too; only the case that forces them off does not.
+    gluon_expected = full != "triton" and gluon_hopper.available(inputs[3])
     if full == "triton":
         monkeypatch.setattr(variants, "FAILED",
                             {("indexer_kl", "teacher_mass", (512, torch.bfloat16)): "forced off by the test"})
@@ -718,42 +749,47 @@ def test_gpu_compile_fullgraph_and_cuda_graph_match_eager():
     assert torch.equal(captured, want)
 
 
-def test_gluon_teacher_mass_dispatch(monkeypatch):
-    """Where the Gluon teacher-mass kernel applies it is used; DSV4ATTN_KERNELS=triton keeps it out; a build
-    failure warns once per (D, dtype) and leaves the mass to the Triton kernel; other errors propagate. (Launches
-    are stubbed: dispatch logic only.)"""
+def test_gluon_teacher_dispatch(monkeypatch):
+    """Where the Gluon teacher kernels apply, the forward of both paths asks for them; DSV4ATTN_KERNELS=triton keeps
+    them out; a build failure of one warns once per (D, dtype), is recorded (not tried again) and leaves the teacher
+    to the Triton kernel; other errors propagate. (The kernel runs are stubbed: dispatch logic only.)"""
     from triton.runtime.errors import PTXASError
 
     from dsv4attn.ops.indexer_loss import triton as klt
-    from dsv4attn.ops.sparse_attention import gluon_hopper, triton as sparse_triton
+    from dsv4attn.ops.sparse_attention import gluon_hopper
 
-    calls = []
     monkeypatch.setattr(gluon_hopper, "check", lambda q: (True, "stubbed"))
     monkeypatch.setattr(variants, "FAILED", {})
     monkeypatch.setattr(variants, "_mode", "auto")
-    q, ckv = torch.zeros(3, 64, 128, dtype=torch.bfloat16), torch.zeros(5, 128, dtype=torch.bfloat16)
-    operands = (None, None, None, q, ckv)
-    idx, full = torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 64)
-    monkeypatch.setattr(gluon_hopper, "teacher_mass", lambda *a, **k: calls.append(a) or torch.ones(3, 4))
-    assert klt._gluon_teacher_mass(operands, idx, full, 0.1) is not None and len(calls) == 1
-    monkeypatch.setattr(variants, "_mode", "triton")
-    assert klt._gluon_teacher_mass(operands, idx, full, 0.1) is None and len(calls) == 1
-    monkeypatch.setattr(variants, "_mode", "auto")
+    operands = (None, None, None, torch.zeros(3, 64, 128, dtype=torch.bfloat16), None)
+    asked, failure = [], [None]
 
-    def broken(*a, **k):
-        raise PTXASError("cannot build")
-    monkeypatch.setattr(gluon_hopper, "teacher_mass", broken)
+    def kl_forward(*args, gluon_teacher=False, **kwargs):
+        asked.append(gluon_teacher)
+        if gluon_teacher and failure[0] is not None:
+            failed = klt.GluonTeacherFailed()
+            failed.__cause__ = failure[0]
+            raise failed
+        return "forward"
+    monkeypatch.setattr(klt, "_kl_forward", kl_forward)
+
+    def run():
+        asked.clear()
+        return klt._teacher_forward(operands, None, lambda: [], 4, 0.1, False, {}, True)
+    assert run() == "forward" and asked == [True]
+    monkeypatch.setattr(variants, "_mode", "triton")
+    assert run() == "forward" and asked == [False]
+    monkeypatch.setattr(variants, "_mode", "auto")
+    failure[0] = PTXASError("cannot build")
     built = r"teacher kernels \(_teacher_mass_gluon, _teacher_lse_gluon\) could not be built for D=128"
     with pytest.warns(RuntimeWarning, match=built):
-        assert klt._gluon_teacher_mass(operands, idx, full, 0.1) is None
+        assert run() == "forward" and asked == [True, False]
     assert ("indexer_kl", "teacher_mass", (128, torch.bfloat16)) in variants.FAILED
-
-    def buggy(*a, **k):
-        raise ValueError("a bug")
+    assert run() == "forward" and asked == [False]
     monkeypatch.setattr(variants, "FAILED", {})
-    monkeypatch.setattr(gluon_hopper, "teacher_mass", buggy)
+    failure[0] = ValueError("a bug")
     with pytest.raises(ValueError, match="a bug"):
-        klt._gluon_teacher_mass(operands, idx, full, 0.1)
+        run()
 
 
 @GPU

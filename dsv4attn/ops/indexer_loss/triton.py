@@ -15,27 +15,30 @@ Forward, one program per query row (programs in row order: neighbouring rows sha
 
 - *Two-pass form* (``outside_lse`` given): candidates in blocks of ``BLOCK_N``, all main heads in one tile, the
   index heads in blocks of ``BLOCK_HI``; pass 1 keeps online per-head LSEs (teacher) and per-lane online LSEs
-  (student), pass 2 recomputes the logits and forms T, the KL terms and dKL/dI. Memory stays linear in T (the
-  candidate rows are materialised one chunk of query rows at a time, see :func:`indexer_kl_triton`).
+  (student), pass 2 recomputes the logits and forms T, the KL terms and dKL/dI (the teacher mass from natural-log
+  logits and L, as the full form and the recomputing backward form it: saved and recomputed dKL/dI agree). Memory
+  stays linear in T (the candidate rows are handled one chunk of query rows at a time, see
+  :func:`indexer_kl_triton`).
 
 *Full-denominator form* (``full``: each head's L_h is given, e.g. the attention's logaddexp(lse, sink)): one
 program per row, one pass forming I(j) with its online LSE and mass(j) from natural-log logits with Z, storing
 mass(j) and I(j) to (rows, K) fp32 rows (scratch unless saved; one chunk's worth), then a GEMM-free pass summing
 the KL terms with the LSE and Z known; on SM90 mass(j) can come from a Gluon kernel (``gluon_hopper.teacher_mass``).
 
-*Gluon teacher* (SM90, ``outside_lse`` given, lazy index sets: the warm-up's every visible entry): per chunk of rows
-``gluon_hopper.teacher_lse`` forms each head's LSE over the candidates, ``logaddexp`` with ``outside_lse`` gives L_h,
-``teacher_mass`` the mass, and the full-denominator form runs on them (tensor cores for the H x D teacher logits
-instead of the two-pass form's two Triton passes: 457 -> 241 ms for a warm-up CSA layer at 32K, BENCHMARKS.md).
-Rows too wide to save dKL/dI form the mass again per chunk in the backward (then dKL/dI from the forward kernel, then
-the saved-gradient backward). Only a Gluon kernel's own error falls back to the two-pass form (a build failure warns
-once; other errors propagate); an error of the Triton KL kernels is never taken for one.
+*Gluon teacher* (SM90, both paths below, :func:`_teacher_forward`): per chunk of rows, with ``outside_lse`` given (the
+warm-up's every visible entry) ``gluon_hopper.teacher_lse`` forms each head's LSE over the candidates, ``logaddexp``
+with ``outside_lse`` gives L_h, and ``teacher_mass`` the mass; with ``full`` only the mass. The full-denominator form
+then runs on them (tensor cores for the H x D teacher logits instead of the two-pass form's two Triton passes: 457 ->
+241 ms for a warm-up CSA layer at 32K, BENCHMARKS.md). Rows too wide to save dKL/dI form the mass again per chunk in
+the backward (then dKL/dI from the forward kernel, then the saved-gradient backward), whichever form the forward ran.
+Only a Gluon kernel's own error falls back to the Triton teacher (a build failure warns once; other errors
+propagate); an error of the Triton KL kernels is never taken for one.
 
 The forward saves dKL/dI per slot, ``G(j) = Q(j) sum T - T(j)`` (fp32, (T, K)), when K <= ``SAVE_G_MAX_WIDTH``,
 so that the backward does not recompute the teacher (the bulk of the work: H x D per candidate against Hi x Di for
-the student). Wider rows save per-row statistics (each head's full denominator: log2 after the two-pass form, the
-natural-log L after the full form; the student's LSE, the floored Z and sum T) and the backward recomputes T(j) block
-by block (on the Gluon-teacher path: the mass per chunk, as above).
+the student). Wider rows save per-row statistics (each head's full denominator as the natural-log L, whichever form
+ran; the student's LSE, the floored Z and sum T) and the backward forms T(j) again: on SM90 per chunk with the Gluon
+teacher (as above), elsewhere block by block in the Triton backward kernel (the same mass formula as the forward).
 
 Backward, one program per query row: recompute the student dots x[g, j] = <qi[t, g], ki_j>, take
 ``dI = grad_kl[t] * G``, then ``d index_weights[t, g] = sum_j dI relu(x)``, ``dx = dI w[t, g] 1[x > 0]``,
@@ -56,10 +59,8 @@ direction and CUDA graphs can capture them. Lazy index sets (the warm-up's every
 ``max_seqlen // 4`` wide) keep an autograd Function that materialises them one chunk of query rows at a time, in
 both directions: a custom op would have to take (and save) the whole (T, K) tensor. Inside ``torch.compile`` they
 take the custom ops anyway, materialised whole (dynamo cannot trace the Function's launches). Both paths launch the same
-kernels through the same helpers, so they give the same bits, with one exception: on SM90 the lazy path's warm-up
-teacher (``outside_lse`` given) runs the Gluon teacher kernels, while the custom op keeps the two-pass form there
-(the same loss, other last bits, and slower: a compiled warm-up does not yet get the Gluon teacher). The kernels need
-a CUDA device, or the CPU interpreter (``TRITON_INTERPRET=1``).
+kernels through the same helpers (the op in chunks of rows as well), so they give the same bits. The kernels need a
+CUDA device, or the CPU interpreter (``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
@@ -166,13 +167,6 @@ def _full_denominator2(OUTSIDE, t, h0, m, l, H: tl.constexpr, BLOCK_HT: tl.const
 
 
 @triton.jit
-def _mass(s2, full):
-    """sum_h exp(s_h(j) - L_h) over a head block ((BLOCK_N,)); exactly 0 for empty slots."""
-    full = tl.where(full == float("-inf"), 0.0, full)         # heads without any key: all their s2 are -inf
-    return tl.sum(tl.exp2(s2 - full[:, None]), 0)
-
-
-@triton.jit
 def _kl_terms(mass, score2, valid, lse_i2, z_floor, sum_t):
     """Per-slot KL terms T (log T - log Q) and dKL/dI = Q sum T - T, both 0 on empty slots."""
     target = mass / z_floor
@@ -210,14 +204,15 @@ def _lane_lse_finish(m_v, l_v):
 
 
 @triton.jit
-def _both_blocks(QI, KI, W, Q, CKV, IDX, t, K, start, qk_scale_log2, H: tl.constexpr, D: tl.constexpr,
+def _both_blocks(QI, KI, W, Q, CKV, IDX, t, K, start, teacher_scale, H: tl.constexpr, D: tl.constexpr,
                  Hi: tl.constexpr, Di: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr,
                  BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_D: tl.constexpr, DOT_T: tl.constexpr,
                  DOT_S: tl.constexpr):
-    """A block of slots with the student scores and all heads' teacher logits: (slots, valid, score2, s2)."""
+    """A block of slots with the student scores (log2 units) and all heads' teacher logits scaled by
+    ``teacher_scale``: (slots, valid, score2, s)."""
     n, valid, rows, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI, BLOCK_DI, DOT_S)
-    s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N, BLOCK_D, DOT_T)
-    return n, valid, score2, s2
+    s = _teacher_logits2(Q, CKV, t, 0, rows, valid, teacher_scale, H, D, BLOCK_HT, BLOCK_N, BLOCK_D, DOT_T)
+    return n, valid, score2, s
 
 
 @triton.jit
@@ -301,7 +296,7 @@ def _indexer_kl_fwd_kernel(
     DOT_S: tl.constexpr, FULL: tl.constexpr = False, MASS_GIVEN: tl.constexpr = False,
     SCORES_GIVEN: tl.constexpr = False,
 ):
-    # FULL2 (rows, H): log2 of each head's full denominator (FULL: the natural-log L itself). ROWSTAT (rows, 3):
+    # FULL2 (rows, H): each head's full denominator, the natural-log L (both forms). ROWSTAT (rows, 3):
     # log2 of the student's LSE, max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; slots past NEND, the
     # row's last valid slot + 1, are not written: the backward never reads them, the launcher zero-fills G).
     # FULL: OUTSIDE holds each head's full denominator L itself (natural log), so the teacher logits are formed
@@ -332,19 +327,23 @@ def _indexer_kl_fwd_kernel(
                 m_v, l_v = _lane_lse_update(m_v, l_v, score2)
         m_h = tl.where(m_h == float("-inf"), 0.0, m_h)
         full, inside = _full_denominator2(OUTSIDE, t, 0, m_h, l_h, H, BLOCK_HT)
+        # From here on the natural-log L, as the full form has it: pass 2 forms the mass as the full form and the
+        # recomputing backward do (_mass_natural), so a saved and a recomputed dKL/dI are the same values.
+        full = full * 0.6931471805599453
         offs_h = tl.arange(0, BLOCK_HT)
         tl.store(FULL2 + t * H + offs_h, full, mask=offs_h < H)
         lse_i2 = _lane_lse_finish(m_v, l_v)
         z = tl.sum(inside, 0)
         z_floor = tl.maximum(z, flt_min)
         sum_t = z / z_floor
-        # Pass 2: recompute both score blocks, form T(j), the KL terms and dKL/dI.
+        # Pass 2: recompute both score blocks (the teacher's in natural-log units), form T(j), the KL terms and dKL/dI.
         acc = tl.zeros([BLOCK_N], tl.float32)
         for start in range(0, K, BLOCK_N):
             if start < n_end:
-                n, valid, score2, s2 = _both_blocks(QI, KI, W, Q, CKV, IDX, t, K, start, qk_scale_log2, H, D, Hi, Di,
-                                                    BLOCK_N, BLOCK_HT, BLOCK_HI, BLOCK_DI, BLOCK_D, DOT_T, DOT_S)
-                terms, d_score = _kl_terms(_mass(s2, full), score2, valid, lse_i2, z_floor, sum_t)
+                n, valid, score2, s = _both_blocks(QI, KI, W, Q, CKV, IDX, t, K, start, qk_scale, H, D, Hi, Di,
+                                                   BLOCK_N, BLOCK_HT, BLOCK_HI, BLOCK_DI, BLOCK_D, DOT_T, DOT_S)
+                terms, d_score = _kl_terms(tl.where(valid, _mass_natural(s, full), 0.0), score2, valid, lse_i2,
+                                           z_floor, sum_t)
                 acc += terms
                 if SAVE_G:
                     tl.store(G + t * K + n, d_score, mask=n < K)
@@ -358,14 +357,14 @@ def _indexer_kl_fwd_kernel(
 @triton.jit
 def _indexer_kl_bwd_kernel(
     QI, KI, W, Q, CKV, IDX, NEND, GRAD, G, FULL2, ROWSTAT, DQI, DKI, DW,
-    K, qk_scale_log2, qk_scale,
+    K, qk_scale,
     H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_G: tl.constexpr, SPLIT_DX: tl.constexpr, DOT_T: tl.constexpr,
-    DOT_S: tl.constexpr, FULL: tl.constexpr = False,
+    DOT_S: tl.constexpr,
 ):
-    # FULL (recomputing, i.e. not HAS_G): FULL2 holds the natural-log L and the teacher mass is formed as the
-    # forward formed it (_mass_natural).
+    # Recomputing (not HAS_G): FULL2 holds the natural-log L and the teacher mass is formed as the full form's
+    # forward forms it (_mass_natural).
     # DKI: (Nc, Di) fp32, atomic adds. DQI: (rows, Hi, Di) in the dtype of QI. DW: (rows, Hi) fp32.
     t = tl.program_id(0).to(tl.int64)
     offs_g = tl.arange(0, BLOCK_HI)
@@ -395,13 +394,8 @@ def _indexer_kl_bwd_kernel(
             else:
                 score2 = tl.where(valid, tl.sum(tl.maximum(x, 0.0) * w[:, None], 0) * 1.4426950408889634,
                                   float("-inf"))
-                if FULL:
-                    s = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale, H, D, BLOCK_HT, BLOCK_N, BLOCK_D, DOT_T)
-                    mass = _mass_natural(s, full)
-                else:
-                    s2 = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale_log2, H, D, BLOCK_HT, BLOCK_N,
-                                          BLOCK_D, DOT_T)
-                    mass = _mass(s2, full)
+                s = _teacher_logits2(Q, CKV, t, 0, rows, valid, qk_scale, H, D, BLOCK_HT, BLOCK_N, BLOCK_D, DOT_T)
+                mass = _mass_natural(s, full)
                 _, d_score = _kl_terms(mass, score2, valid, lse_i2, z_floor, sum_t)
             d_score = d_score * grad
             dw += tl.sum(tl.maximum(x, 0.0) * d_score[None, :], 1)
@@ -491,11 +485,11 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
                 mass: torch.Tensor | None = None, scores: torch.Tensor | None = None, gluon_teacher: bool = False):
     """The forward kernel over ``chunks``, ``(start, end, idx (rows, K) int32, n_end (rows,) int32)`` each;
     ``full``: ``outside_lse`` holds each head's full denominator (see :func:`indexer_kl_triton`); ``mass``: with
-    ``full``, the teacher mass (T, K) fp32 formed beforehand (:func:`_gluon_teacher_mass`); ``scores``: with
-    ``full``, the student logits I(j) (T, K) formed beforehand (the top-k's). ``gluon_teacher`` (not ``full``):
-    each chunk's full denominators and teacher mass come from the Gluon teacher kernels
-    (:func:`_gluon_full_and_mass`), then the kernel runs the full-denominator form on them; ``full2`` then holds
-    the natural-log L (as with ``full``). A Gluon kernel's error is raised as :class:`GluonTeacherFailed` (its cause).
+    ``full``, the teacher mass (T, K) fp32 formed beforehand; ``scores``: with ``full``, the student logits I(j)
+    (T, K) formed beforehand (the top-k's). ``gluon_teacher``: the Gluon teacher kernels form each chunk's teacher
+    mass (with ``full``) or its full denominators and mass (without: :func:`_gluon_full_and_mass`), then the kernel
+    runs the full-denominator form on them. ``full2`` holds each head's natural-log L in every form. A Gluon
+    kernel's error is raised as :class:`GluonTeacherFailed` (its cause).
 
     Returns kl (T,), full2 (T, H), rowstat (T, 3) and G (T, K) (None unless ``save_g``), all fp32.
     """
@@ -530,7 +524,11 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
             g_rows.copy_(scores[s:e]).mul_(1.4426950408889634).masked_fill_(idx < 0, 0.0)     # in place, no temporary
         if gluon_teacher:
             try:
-                outside_rows, mass_rows = _gluon_full_and_mass(qm[s:e], ckv, outside[s:e], idx, n_end, scale)
+                if full:
+                    outside_rows = outside[s:e]
+                    mass_rows = gluon_hopper.teacher_mass(qm[s:e], ckv, idx, outside_rows, scale, n_end=n_end)
+                else:
+                    outside_rows, mass_rows = _gluon_full_and_mass(qm[s:e], ckv, outside[s:e], idx, n_end, scale)
             except Exception as exc:
                 raise GluonTeacherFailed() from exc
         else:
@@ -543,10 +541,9 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     return kl, full2, rowstat, g_buf
 
 
-def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale: float, config: dict,
-                 full: bool = False):
+def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale: float, config: dict):
     """The backward kernel over ``chunks`` (as :func:`_kl_forward`'s); ``g_buf`` None recomputes the teacher
-    (``full``: the forward ran in the full-denominator form).
+    from ``full2`` (each head's natural-log L, as both forward forms save it) and ``rowstat``.
 
     Returns d index_q in ``qi``'s dtype, d index_k fp32 with ``ki``'s rows, d index_weights fp32.
     """
@@ -562,7 +559,7 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
     meta = dict(H=H, D=D, Hi=Hi, Di=Di, BLOCK_N=cfg["BLOCK_N"], BLOCK_HT=_pow2(H), BLOCK_HI=_pow2(Hi),
                 BLOCK_DI=_pow2(Di), BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)), HAS_G=has_g,
                 SPLIT_DX=bool(cfg.get("SPLIT_DX", True)) and qi.dtype != torch.float32,
-                DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype), FULL=full)
+                DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype))
     request = cfg.get("KERNEL", "auto")
     gluon = has_g and variants.choose("indexer_kl", "backward", (Di, qi.dtype), qi, ki, request=request) == "gluon"
     for s, e, idx, n_end in chunks:
@@ -579,7 +576,7 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
                 gluon = False
         _launch(_indexer_kl_bwd_kernel, e - s,
                 (qi[s:e], ki, w[s:e], qm[s:e], ckv, idx, n_end, grad[s:e], g_buf[s:e] if has_g else grad,
-                 full2[s:e], rowstat[s:e], d_qi[s:e], d_ki, d_w[s:e], K, scale * 1.4426950408889634, scale),
+                 full2[s:e], rowstat[s:e], d_qi[s:e], d_ki, d_w[s:e], K, scale),
                 meta, launch, _bwd_shrink)
     return d_qi, d_ki, d_w
 
@@ -605,6 +602,21 @@ def _gluon_teacher(qm: torch.Tensor, K: int) -> bool:
     return T > 0 and K > 0 and variants.choose("indexer_kl", "teacher_mass", (D, qm.dtype), qm) == "gluon"
 
 
+def _backward_from_saved(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale: float, config: dict,
+                         bwd_config: dict):
+    """The backward from the forward's saved state, whichever form the forward ran (both save the natural-log L):
+    with a saved dKL/dI its backward kernels; without, on SM90 the Gluon teacher per chunk
+    (:func:`_kl_backward_gluon_teacher`), elsewhere (or if a Gluon teacher kernel cannot be built) the Triton kernel
+    recomputing the teacher. ``chunks()`` gives the row chunks (a fresh iterator per call). Same returns as
+    :func:`_kl_backward`."""
+    if g_buf is None and _gluon_teacher(operands[3], K):
+        try:
+            return _kl_backward_gluon_teacher(grad_kl, operands, full2, chunks(), K, scale, config, bwd_config)
+        except GluonTeacherFailed as failed:
+            _note_teacher_failure(failed, operands[3])
+    return _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks(), K, scale, bwd_config)
+
+
 def _gluon_full_and_mass(qm, ckv, outside: torch.Tensor, idx: torch.Tensor, n_end: torch.Tensor, scale: float):
     """(full denominators L (rows, H), teacher mass (rows, K)), fp32, of one chunk of rows from the Gluon teacher
     kernels: L = logaddexp(outside, the candidates' own LSE) (natural log), then the mass normalised by it."""
@@ -612,22 +624,27 @@ def _gluon_full_and_mass(qm, ckv, outside: torch.Tensor, idx: torch.Tensor, n_en
     return full_lse, gluon_hopper.teacher_mass(qm, ckv, idx, full_lse, scale, n_end=n_end)
 
 
-def _gluon_teacher_mass(operands, idx: torch.Tensor, full_lse: torch.Tensor, scale: float,
-                        n_end: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The teacher mass (T, K) fp32 from the Gluon SM90 kernel (the attention forward's gather ring), or None where
-    it does not apply (:func:`_gluon_teacher`) or could not be built."""
-    _, _, _, qm, ckv = operands
-    D = qm.shape[2]
-    if not _gluon_teacher(qm, idx.shape[1]):
-        return None
-    try:
-        return gluon_hopper.teacher_mass(qm, ckv, idx, full_lse, scale, n_end=n_end)
-    except Exception as exc:
-        if variants.strict():
-            raise
-        variants.note_gluon_build_failure(exc, "indexer_kl", "teacher_mass", (D, qm.dtype),
-                                          "the Triton KL kernel forms the mass")
-        return None
+def _row_chunks(idx: torch.Tensor, n_end: torch.Tensor):
+    """Materialised candidates in chunks of rows (:data:`INDEX_BUDGET` slots each), as :func:`_kl_forward` takes
+    them: the (rows, K) fp32 buffers of the Gluon teacher path exist for one chunk at a time."""
+    return [(s, e, idx[s:e], n_end[s:e]) for s, e in chunk_rows(idx.shape[0], idx.shape[1], budget=INDEX_BUDGET)]
+
+
+def _teacher_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict, full: bool,
+                     scores: torch.Tensor | None = None):
+    """The forward of both paths (the lazy Function and the registered op): on SM90 the Gluon teacher kernels form
+    each chunk's teacher mass (``full``) or full denominators and mass (the outside-mass form: the warm-up), and the
+    full form runs on them; elsewhere, or if a Gluon teacher kernel cannot be built, the Triton kernel forms the
+    teacher itself. ``chunks()`` gives the row chunks (a fresh iterator per call). Same returns as
+    :func:`_kl_forward`."""
+    qm = operands[3]
+    if _gluon_teacher(qm, K):
+        try:
+            return _kl_forward(operands, outside_lse, chunks(), K, scale, save_g, config, full, scores=scores,
+                               gluon_teacher=True)
+        except GluonTeacherFailed as failed:
+            _note_teacher_failure(failed, qm)
+    return _kl_forward(operands, outside_lse, chunks(), K, scale, save_g, config, full, scores=scores)
 
 
 # ------------------------------------------------------------------------ materialised candidates: custom ops
@@ -642,7 +659,7 @@ def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: t
     Returns kl (T,) fp32 and what the backward reads: full2 (T, H) and rowstat (T, 3) fp32 (see
     ``_indexer_kl_fwd_kernel``), G = dKL/dI (T, K) fp32 when ``save_g`` (else (0, K)) and each row's last valid
     slot + 1, (T,) int32. ``fwd_tiles`` / ``bwd_tiles``: the configs' values in :data:`FWD_KEYS` /
-    :data:`BWD_KEYS` order; ``bwd_tiles`` is only kept for the backward. ``full``: ``outside_lse`` is each head's
+    :data:`BWD_KEYS` order; both are kept for the backward. ``full``: ``outside_lse`` is each head's
     full denominator. ``student_scores`` (with ``full``): the (T, K) student logits formed by the top-k.
     """
     if student_scores is not None and not full:
@@ -651,10 +668,10 @@ def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: t
     idx = candidates.to(torch.int32).contiguous()
     n_end = row_ends(idx)
     operands = _operands(index_q, index_k, index_weights, q, compressed_kv)
-    mass = _gluon_teacher_mass(operands, idx, outside_lse, scale, n_end) if full else None
+    config = dict(zip(FWD_KEYS, fwd_tiles))
     with backend.exact_math(index_q.device):
-        kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, [(0, T, idx, n_end)] if T else [], K, scale,
-                                                save_g, dict(zip(FWD_KEYS, fwd_tiles)), full, mass, student_scores)
+        kl, full2, rowstat, g_buf = _teacher_forward(operands, outside_lse, lambda: _row_chunks(idx, n_end), K, scale,
+                                                     save_g, config, full, student_scores)
     if g_buf is None:
         g_buf = kl.new_empty(0, K)
     return kl, full2, rowstat, g_buf, n_end
@@ -673,35 +690,39 @@ def _indexer_kl_fake(index_q, index_k, index_weights, q, compressed_kv, outside_
 def indexer_kl_backward_op(grad_kl: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
                            index_weights: torch.Tensor, q: torch.Tensor, compressed_kv: torch.Tensor,
                            candidates: torch.Tensor, n_end: torch.Tensor, full2: torch.Tensor, rowstat: torch.Tensor,
-                           g: torch.Tensor, scale: float, bwd_tiles: list[int],
-                           full: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           g: torch.Tensor, scale: float, bwd_tiles: list[int], full: bool = False,
+                           fwd_tiles: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """d index_q, d index_k, d index_weights (in their own dtypes) from the forward's saved state.
 
-    ``g`` with T rows: the saved dKL/dI is used; with 0 rows the teacher is recomputed from ``full2`` / ``rowstat``.
-    d index_k is accumulated with fp32 atomics (its last bits vary from run to run on a GPU).
+    ``g`` with T rows: the saved dKL/dI is used; with 0 rows the teacher is formed again
+    (:func:`_backward_from_saved`; the forward's config ``fwd_tiles``, default :data:`FWD_CONFIG`, serves the Gluon
+    teacher path's dKL/dI). d index_k is accumulated with fp32 atomics (its last bits vary from run to run on a GPU).
+    ``full`` is not read (``full2`` holds the natural-log L in either form): it stays in the schema so that graphs
+    that ``torch.compile`` cached with an earlier version, which pass it, still call this op (PyTorch's compile
+    caches are not keyed by a custom op's schema: pytorch/pytorch#144344).
     """
     T, K = candidates.shape
     idx = candidates.to(torch.int32).contiguous()
     with backend.exact_math(index_q.device):
-        d_qi, d_ki, d_w = _kl_backward(grad_kl, _operands(index_q, index_k, index_weights, q, compressed_kv), full2,
-                                       rowstat, g if g.shape[0] == T else None,
-                                       [(0, T, idx, n_end.contiguous())] if T else [], K, scale,
-                                       _bwd_config(bwd_tiles), full)
+        d_qi, d_ki, d_w = _backward_from_saved(
+            grad_kl, _operands(index_q, index_k, index_weights, q, compressed_kv), full2, rowstat,
+            g if g.shape[0] == T else None, lambda: _row_chunks(idx, n_end.contiguous()), K, scale,
+            dict(zip(FWD_KEYS, fwd_tiles)) if fwd_tiles is not None else FWD_CONFIG, _bwd_config(bwd_tiles))
     return d_qi.to(index_q.dtype), d_ki[:index_k.shape[0]].to(index_k.dtype), d_w.to(index_weights.dtype)
 
 
 @indexer_kl_backward_op.register_fake
 def _indexer_kl_backward_fake(grad_kl, index_q, index_k, index_weights, q, compressed_kv, candidates, n_end, full2,
-                              rowstat, g, scale, bwd_tiles, full=False):
+                              rowstat, g, scale, bwd_tiles, full=False, fwd_tiles=None):
     return (index_q.new_empty(index_q.shape), index_k.new_empty(index_k.shape),
             index_weights.new_empty(index_weights.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    index_q, index_k, index_weights, q, compressed_kv, _, candidates, scale, _, _, bwd_tiles, full, _ = inputs
+    index_q, index_k, index_weights, q, compressed_kv, _, candidates, scale, _, fwd_tiles, bwd_tiles, _, _ = inputs
     _, full2, rowstat, g, n_end = output
     ctx.save_for_backward(index_q, index_k, index_weights, q, compressed_kv, candidates, n_end, full2, rowstat, g)
-    ctx.scale, ctx.bwd_tiles, ctx.full = scale, bwd_tiles, full
+    ctx.scale, ctx.fwd_tiles, ctx.bwd_tiles = scale, fwd_tiles, bwd_tiles
     ctx.mark_non_differentiable(full2, rowstat, g, n_end)
 
 
@@ -709,7 +730,8 @@ def _backward(ctx, grad_kl, *_grad_state):
     index_q = ctx.saved_tensors[0]
     if grad_kl is None:
         grad_kl = index_q.new_zeros(index_q.shape[0], dtype=torch.float32)
-    d_qi, d_ki, d_w = indexer_kl_backward_op(grad_kl, *ctx.saved_tensors, ctx.scale, ctx.bwd_tiles, ctx.full)
+    d_qi, d_ki, d_w = indexer_kl_backward_op(grad_kl, *ctx.saved_tensors, ctx.scale, ctx.bwd_tiles,
+                                             fwd_tiles=ctx.fwd_tiles)
     # No gradient to q, compressed_kv, outside_lse (the teacher is detached), candidates, the student scores
     # (values only: the gradients of index_q, index_k and index_weights come from the dots formed again) or the
     # host arguments.
@@ -730,28 +752,18 @@ class _IndexerKLTriton(torch.autograd.Function):
         ranges = list(chunk_rows(T, K, budget=INDEX_BUDGET))
         # With a saved dKL/dI (rows at most SAVE_G_MAX_WIDTH wide) the backward reuses the materialised chunks;
         # otherwise only one chunk exists at a time, in either direction.
+        materialised = []
+
         def chunks():
-            return list(_lazy_chunks(candidates, ranges)) if save_g else _lazy_chunks(candidates, ranges)
-        # The warm-up's teacher over every visible entry (outside_lse given): on SM90 the Gluon kernels form each
-        # chunk's full denominators and mass (two passes of the teacher logits on tensor cores), so the Triton
-        # kernel runs its full-denominator form; the backward forms the mass again the same way.
-        gluon_teacher = not full and _gluon_teacher(operands[3], K)
-        if gluon_teacher:
-            try:
-                chunk_list = chunks()
-                kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, chunk_list, K, scale, save_g, config,
-                                                        gluon_teacher=True)
-            except GluonTeacherFailed as failed:
-                _note_teacher_failure(failed, q)
-                gluon_teacher = False
-        if not gluon_teacher:
-            chunk_list = chunks()
-            kl, full2, rowstat, g_buf = _kl_forward(operands, outside_lse, chunk_list, K, scale, save_g, config, full)
+            if not save_g:
+                return _lazy_chunks(candidates, ranges)
+            if not materialised:
+                materialised.extend(_lazy_chunks(candidates, ranges))
+            return materialised
+        kl, full2, rowstat, g_buf = _teacher_forward(operands, outside_lse, chunks, K, scale, save_g, config, full)
         ctx.save_for_backward(*operands, full2, rowstat, g_buf)
-        ctx.chunks, ctx.ranges = (chunk_list if save_g else None), ranges
-        ctx.candidates, ctx.scale, ctx.bwd_config = candidates, scale, bwd_config
-        ctx.full, ctx.gluon_teacher = full or gluon_teacher, gluon_teacher
-        ctx.config = config
+        ctx.chunks, ctx.ranges = (materialised if save_g else None), ranges
+        ctx.candidates, ctx.scale, ctx.config, ctx.bwd_config = candidates, scale, config, bwd_config
         ctx.dtypes = (index_q.dtype, index_k.dtype, index_weights.dtype, index_k.shape[0])
         return kl
 
@@ -759,27 +771,18 @@ class _IndexerKLTriton(torch.autograd.Function):
     def backward(ctx, grad_kl):
         qi, ki, w, qm, ckv, full2, rowstat, g_buf = ctx.saved_tensors
         dt_q, dt_k, dt_w, n_keys = ctx.dtypes
-        chunks = ctx.chunks if ctx.chunks is not None else _lazy_chunks(ctx.candidates, ctx.ranges)
-        K = ctx.candidates.width
-        if g_buf is None and ctx.gluon_teacher:
-            try:
-                d_qi, d_ki, d_w = _kl_backward_gluon_teacher(grad_kl, (qi, ki, w, qm, ckv), full2, chunks, K,
-                                                             ctx.scale, ctx.config, ctx.bwd_config)
-                return (d_qi.to(dt_q), d_ki[:n_keys].to(dt_k), d_w.to(dt_w), None, None, None, None, None, None,
-                        None, None)
-            except GluonTeacherFailed as failed:
-                _note_teacher_failure(failed, qm)
-                chunks = _lazy_chunks(ctx.candidates, ctx.ranges)
-        # full2 holds the natural-log L after either full form, which the recomputing kernel then reads as such.
-        d_qi, d_ki, d_w = _kl_backward(grad_kl, (qi, ki, w, qm, ckv), full2, rowstat, g_buf, chunks, K, ctx.scale,
-                                       ctx.bwd_config, ctx.full)
+
+        def chunks():
+            return ctx.chunks if ctx.chunks is not None else _lazy_chunks(ctx.candidates, ctx.ranges)
+        d_qi, d_ki, d_w = _backward_from_saved(grad_kl, (qi, ki, w, qm, ckv), full2, rowstat, g_buf, chunks,
+                                               ctx.candidates.width, ctx.scale, ctx.config, ctx.bwd_config)
         return (d_qi.to(dt_q), d_ki[:n_keys].to(dt_k), d_w.to(dt_w), None, None, None, None, None, None, None,
                 None)
 
 
 def _kl_backward_gluon_teacher(grad_kl, operands, full_lse, chunks, K: int, scale: float, config: dict,
                                bwd_config: dict):
-    """The backward of the Gluon-teacher forward for rows too wide to save dKL/dI: per chunk the teacher mass again
+    """The backward without a saved dKL/dI, on the Gluon teacher kernels: per chunk the teacher mass again
     (Gluon, from the saved full denominators ``full_lse``, natural log), dKL/dI from the forward kernel (full form,
     mass given, the student's dots formed again), then the backward kernels with it. Memory: one chunk's (rows, K)
     mass and dKL/dI. Same returns as :func:`_kl_backward`."""
@@ -795,7 +798,7 @@ def _kl_backward_gluon_teacher(grad_kl, operands, full_lse, chunks, K: int, scal
         except Exception as exc:
             raise GluonTeacherFailed() from exc
         _, full2, rowstat, g = _kl_forward(rows, full_lse[s:e], chunk, K, scale, True, config, True, mass)
-        dq, dk, dw = _kl_backward(grad_kl[s:e], rows, full2, rowstat, g, chunk, K, scale, bwd_config, True)
+        dq, dk, dw = _kl_backward(grad_kl[s:e], rows, full2, rowstat, g, chunk, K, scale, bwd_config)
         d_qi[s:e], d_w[s:e] = dq, dw
         d_ki += dk
     return d_qi, d_ki, d_w
