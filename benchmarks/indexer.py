@@ -75,12 +75,13 @@ def check(T: int, cfg, doc_len: int, log) -> None:
 
 
 def bench(T: int, cfg, doc_len: int, log, with_reference: bool, config=None, tag: str | None = None) -> None:
+    from dsv4attn.ops.index_sets import contiguous_ranges
     from dsv4attn.ops.indexer import triton as ixt
     from dsv4attn.ops.indexer.reference import indexer_topk_reference
     q, k, w, cand, pairs = make_inputs(T, doc_len, cfg)
     topk, Hi, Di = cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim
     flop = 2.0 * Hi * Di * pairs
-    first, visible, _, _ = ixt.contiguous_ranges(cand)
+    first, visible, _, _ = contiguous_ranges(cand)
     width = cand.width
     config = dict(ixt.CONFIG, **(config or {}))
     chunks = list(ixt.query_chunks(T, width, min(topk, width), ixt.ORDER_BUDGET))
@@ -117,6 +118,7 @@ def bench(T: int, cfg, doc_len: int, log, with_reference: bool, config=None, tag
 
 def bench_cudnn(T: int, cfg, log, cudnn_dir: str) -> None:
     """Ours against cuDNN's SM90 indexer (score matrix + top-k) on one document of T rows (module docstring)."""
+    from dsv4attn.ops.index_sets import contiguous_ranges
     from dsv4attn.ops.indexer import triton as ixt
     q, k, w, cand, pairs = make_inputs(T, 0, cfg)
     topk, flop = cfg.index_topk, 2.0 * cfg.index_n_heads * cfg.index_head_dim * pairs

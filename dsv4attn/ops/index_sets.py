@@ -164,6 +164,44 @@ def within(index_set: IndexSet, rows: int) -> IndexSet:
     return _Masked(index_set, rows)
 
 
+def contiguous_ranges(candidates: IndexSet):
+    """``(first, visible, table, shift)`` if row t's candidates are ``map(first[t] + j), j < visible[t]`` in
+    increasing j with ``map(e) = (table[e] if table is not None else e) + shift``: a :class:`VisibleCompressed`, a
+    :class:`Rows` view of one, or a :class:`Stack` of such views sharing one table and shift (a context-parallel
+    rank's segments); ``None`` for other sets."""
+    if isinstance(candidates, Stack):
+        parts = [contiguous_ranges(part) for part in candidates.parts]
+        if not parts or any(r is None or r[2] is not parts[0][2] or r[3] != parts[0][3] for r in parts):
+            return None
+        return (torch.cat([r[0] for r in parts]), torch.cat([r[1] for r in parts])) + parts[0][2:]
+    T = candidates.total_rows
+    base, row_offset, table, shift = candidates, 0, None, 0
+    if isinstance(candidates, Rows):
+        base, row_offset, table, shift = candidates.base, candidates.row_offset, candidates.table, candidates.shift
+    if not isinstance(base, VisibleCompressed):
+        return None
+    lay = base.layout
+    first = lay.row_first_entry[row_offset:row_offset + T]
+    visible = lay.row_visible[row_offset:row_offset + T]
+    if first.shape[0] != T:
+        return None
+    if base.offset:
+        first = first + base.offset
+    return first.contiguous(), visible.contiguous(), table, int(shift)
+
+
+def range_rows(first: torch.Tensor, visible: torch.Tensor, table: torch.Tensor | None, shift: int, width: int,
+               start: int, end: int) -> torch.Tensor:
+    """(end - start, width) int64: rows ``start .. end - 1`` of the set that :func:`contiguous_ranges` described,
+    ``map(first[t] + j)`` for ``j < visible[t]`` and -1 elsewhere (what that set's own ``rows`` gives)."""
+    j = torch.arange(width, device=first.device)
+    entry = first[start:end, None] + j
+    valid = j[None, :] < visible[start:end, None]
+    if table is not None:
+        entry = table[torch.where(valid, entry, 0)].long()
+    return torch.where(valid, entry + shift, -1)
+
+
 def gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``table[idx]`` with -1 slots reading row 0 (callers mask them); an empty table gives zeros."""
     if table.shape[0] == 0:

@@ -3,7 +3,8 @@ and ``within`` (the ops' index safety)."""
 import torch
 
 from dsv4attn import pack_batch
-from dsv4attn.ops.index_sets import Concat, Explicit, Rows, Stack, VisibleCompressed, Window, row_ends, within
+from dsv4attn.ops.index_sets import (Concat, Explicit, Rows, Stack, VisibleCompressed, Window, contiguous_ranges,
+                                     range_rows, row_ends, within)
 
 
 def test_stack_pads_narrow_parts_and_splits_any_row_range():
@@ -62,3 +63,27 @@ def test_row_ends_is_one_past_each_rows_last_valid_slot():
     assert ends.tolist() == [3, 0, 5, 5]
     assert row_ends(idx[:, :0]).tolist() == [0, 0, 0, 0]
     assert row_ends(idx[:0]).shape == (0,)
+
+
+def test_range_rows_rebuild_the_sets_contiguous_ranges_describe():
+    """What the kernels take for the warm-up's every visible entry (per-row first entry and count, an entry table, a
+    shift) gives back the set's own rows, chunk by chunk: the set itself, an offset base, a Rows view with a table
+    and a shift, and a context-parallel rank's Stack of such views; other sets have no ranges."""
+    pack = pack_batch(torch.tensor([0, 9, 9, 30, 37], dtype=torch.int32), 40, 21)
+    layout = pack.compressed(4)
+    visible = VisibleCompressed(layout, 40)
+    table = torch.randperm(layout.capacity, generator=torch.Generator().manual_seed(0))
+    sets = {"visible": visible, "offset": VisibleCompressed(layout, 40, offset=6),
+            "rows": Rows(visible, 3, 30, shift=11, table=table, bound=layout.capacity),
+            "stack": Stack(Rows(visible, 0, 13, shift=11, table=table), Rows(visible, 25, 15, shift=11, table=table))}
+    for name, index_set in sets.items():
+        first, count, tbl, shift = contiguous_ranges(index_set)
+        assert first.shape == count.shape == (index_set.total_rows,), name
+        want = index_set.materialize()
+        for start, end in ((0, index_set.total_rows), (0, 4), (4, 11), (11, index_set.total_rows)):
+            got = range_rows(first, count, tbl, shift, index_set.width, start, end)
+            assert torch.equal(got, want[start:end]), (name, start, end)
+    other_table = Stack(Rows(visible, 0, 13, table=table), Rows(visible, 13, 27, table=table.flip(0)))
+    for index_set in (Window(pack, 5), Explicit(torch.zeros(40, 2, dtype=torch.long)), Concat(visible, visible),
+                      other_table, Stack(visible, Window(pack, 5))):
+        assert contiguous_ranges(index_set) is None

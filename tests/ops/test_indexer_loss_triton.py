@@ -16,9 +16,10 @@ and empty rows for the sparse ones, some rows with outside_lse = -inf. Both forw
 passes over candidate blocks), both backward modes (saved dKL/dI; teacher recomputed) and several query-row chunks
 are exercised.
 
-Explicit candidates run the registered ops ``dsv4attn::indexer_kl`` / ``indexer_kl_backward``, lazy sets the chunked
-autograd Function: the worker checks which path runs, that both give the same bits on the same candidates, and runs
-``torch.library.opcheck`` and ``torch.compile(fullgraph=True)`` on the op path (they run the kernels, so here too).
+Explicit candidates run the registered ops ``dsv4attn::indexer_kl`` / ``indexer_kl_backward``, the warm-up's lazy sets
+``indexer_kl_ranges`` / ``indexer_kl_ranges_backward``: the worker checks which ops run, that both pairs give the same
+bits on the same candidates, and runs ``torch.library.opcheck`` and ``torch.compile(fullgraph=True)`` on both (they
+run the kernels, so here too).
 """
 from __future__ import annotations
 
@@ -445,47 +446,81 @@ def _mass_given_check(klt) -> dict:
     return result
 
 
-# The registered ops, on the small cases: which path runs, bitwise agreement of the two paths, torch.library's checks
-# and torch.compile. Each case once with the saved dKL/dI and once with the backward recomputing the teacher.
-OP_CASES = ("bf16-topk-default-tiles", "fp32-topk-multi-block", "mixed-q-bf16-compressed-kv-fp32",
-            "bf16-topk-full-denominator")
+# The registered ops, on the small cases: which op runs, bitwise agreement of the two op pairs on the same candidates,
+# torch.library's checks and torch.compile. Each case once with the saved dKL/dI and once with the backward
+# recomputing the teacher.
+RANGE_CASES = ("fp32-visible-default-tiles", "bf16-visible-multi-block-recompute-chunks",
+               "bf16-visible-full-denominator-chunks", "mixed-q-bf16-compressed-kv-fp32")
+
+
+def _range_sets(inputs, gen):
+    """The warm-up candidates of ``inputs`` (a VisibleCompressed) as the layers address them: as they are, and as a
+    context-parallel rank would (a Stack of two Rows views with an entry table and a shift, the keys moved to the
+    rows the table and shift name). Yields (name, inputs with that set)."""
+    from dsv4attn.ops.index_sets import Rows, Stack, VisibleCompressed
+
+    index_q, index_k, index_w, q, ckv, outside, cand, grad_kl = inputs
+    if not isinstance(cand, VisibleCompressed):       # a top-k case: its pack's every visible entry instead
+        from tests.packs import build_pack
+        pack = build_pack((5, 3, index_q.shape[0] - 8))
+        cand = VisibleCompressed(pack.compressed(4), index_q.shape[0])
+        index_k, ckv = index_k[:cand.layout.capacity], ckv[:cand.layout.capacity]
+    yield "visible", (index_q, index_k, index_w, q, ckv, outside, cand, grad_kl)
+    n, shift, T = index_k.shape[0], 3, index_q.shape[0]
+    table = torch.randperm(n, generator=gen)
+    moved = [torch.cat([x[:shift], torch.empty_like(x)]) for x in (index_k, ckv)]
+    for x, src in zip(moved, (index_k, ckv)):
+        x[shift + table] = src                          # row table[e] + shift holds entry e
+    split = T // 3
+    stacked = Stack(Rows(cand, 0, split, shift=shift, table=table, bound=n),
+                    Rows(cand, split, T - split, shift=shift, table=table, bound=n))
+    yield "rank-view", (index_q, moved[0], index_w, q, moved[1], outside, stacked, grad_kl)
 
 
 def _op_checks(klt, plumbing_inputs) -> dict:
-    """Explicit candidates run the ops ``dsv4attn::indexer_kl`` / ``indexer_kl_backward``; the same candidates
-    behind a lazy view run the chunked autograd Function. Both launch the same kernels, so every output is bitwise
-    equal (the interpreter runs the programs, hence the d index_k atomics, in one order)."""
-    from dsv4attn.ops.index_sets import Rows
+    """Explicit candidates run the ops ``dsv4attn::indexer_kl`` / ``indexer_kl_backward``; the warm-up's every visible
+    entry (and the Rows / Stack views context parallelism makes of it) runs ``indexer_kl_ranges`` /
+    ``indexer_kl_ranges_backward``; other lazy sets are materialised and run the first pair. Both pairs launch the
+    same kernels on the same row chunks, so every output is bitwise equal (the interpreter runs the programs, hence
+    the d index_k atomics, in one order)."""
+    from dsv4attn.ops.index_sets import Explicit, Rows
 
     out = {}
+    explicit_ops = {"dsv4attn.indexer_kl.default", "dsv4attn.indexer_kl_backward.default"}
+    ranges_ops = {"dsv4attn.indexer_kl_ranges.default", "dsv4attn.indexer_kl_ranges_backward.default"}
     with OpLog() as log:
         _run(klt.indexer_kl_triton, plumbing_inputs)
-    out["explicit_runs_ops"] = {"dsv4attn.indexer_kl.default", "dsv4attn.indexer_kl_backward.default"} <= log.names
-    lazy_inputs = list(plumbing_inputs)
-    lazy_inputs[6] = Rows(plumbing_inputs[6], 0, plumbing_inputs[6].total_rows)
+    out["explicit_runs_ops"] = explicit_ops <= log.names and not ranges_ops & log.names
+    other = list(plumbing_inputs)
+    other[6] = Rows(plumbing_inputs[6], 0, plumbing_inputs[6].total_rows)      # lazy, but not ranges
     with OpLog() as log:
-        _run(klt.indexer_kl_triton, lazy_inputs)
-    out["lazy_runs_function"] = not any(name.startswith("dsv4attn.indexer_kl") for name in log.names)
+        _run(klt.indexer_kl_triton, other)
+    out["other_lazy_sets_run_explicit_ops"] = explicit_ops <= log.names and not ranges_ops & log.names
+    visible = _inputs(CASES["fp32-visible-default-tiles"], 299)
+    with OpLog() as log:
+        _run(klt.indexer_kl_triton, visible)
+    out["visible_runs_ranges_ops"] = ranges_ops <= log.names and not explicit_ops & log.names
 
     saved = klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET
     equal = {}
-    for seed, case_id in enumerate(OP_CASES):
+    gen = torch.Generator().manual_seed(5)
+    for seed, case_id in enumerate(RANGE_CASES):
         c = CASES[case_id]
         fwd = dict(klt.FWD_CONFIG, **c["fwd"])
-        inputs = list(_inputs(c, 300 + seed))
-        if c["full"]:
-            inputs = list(_with_full_lse(inputs))
-        lazy = list(inputs)
-        lazy[6] = Rows(inputs[6], 0, inputs[6].total_rows)
-        for save_g in (True, False):
-            klt.SAVE_G_MAX_WIDTH = saved[0] if save_g else -1
-            klt.INDEX_BUDGET = 5 * inputs[6].width                     # the lazy path: chunks of 5 query rows
-            got = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, full=c["full"]), inputs)
-            want = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, full=c["full"]), lazy)
-            equal[f"{case_id}-{'saved' if save_g else 'recompute'}"] = all(
-                torch.equal(a, b) for a, b in zip(got, want))
+        for name, inputs in _range_sets(_inputs(c, 300 + seed), gen):
+            if c["full"]:
+                inputs = _with_full_lse(inputs)
+            explicit = list(inputs)
+            explicit[6] = Explicit(inputs[6].materialize())
+            for save_g in (True, False):
+                klt.SAVE_G_MAX_WIDTH = saved[0] if save_g else -1
+                klt.INDEX_BUDGET = 5 * inputs[6].width                 # chunks of 5 query rows
+                got = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, full=c["full"]), inputs)
+                want = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, full=c["full"]), explicit)
+                equal[f"{case_id}-{name}-{'saved' if save_g else 'recompute'}"] = all(
+                    torch.equal(a, b) for a, b in zip(got, want))
     klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET = saved
-    out["explicit_equals_lazy_bitwise"] = equal
+    out["ranges_equal_explicit_bitwise"] = equal
 
     # torch.library.opcheck: schema, fake kernels, autograd registration, AOT dispatch with dynamic shapes (the
     # forward's check runs the backward op with the saved dKL/dI; the backward op is checked with the recompute).
@@ -502,6 +537,17 @@ def _op_checks(klt, plumbing_inputs) -> dict:
     checks.append(torch.library.opcheck(klt.indexer_kl_backward_op,
                                         (grad_kl.float(), *(t.detach() for t in leaves), q, ckv, cand.indices, n_end,
                                          full2, rowstat, g, 0.25, bwd_tiles, False, fwd_tiles)))
+    from dsv4attn.ops.index_sets import contiguous_ranges
+    index_q, index_k, index_w, q, ckv, outside, cand, grad_kl = visible
+    leaves = [t.detach().clone().requires_grad_(True) for t in (index_q, index_k, index_w)]
+    first, vis, table, shift = contiguous_ranges(cand)
+    for save_g in (True, False):
+        args = (*leaves, q, ckv, outside, first, vis, table, shift, cand.width, 0.25, save_g, fwd_tiles, bwd_tiles)
+        checks.append(torch.library.opcheck(klt.indexer_kl_ranges_op, args))
+    _, full2, rowstat, g = klt.indexer_kl_ranges_op(*args)
+    checks.append(torch.library.opcheck(klt.indexer_kl_ranges_backward_op,
+                                        (grad_kl.float(), *(t.detach() for t in leaves), q, ckv, first, vis, table,
+                                         full2, rowstat, g, shift, cand.width, 0.25, fwd_tiles, bwd_tiles)))
     out["opcheck"] = all(v == "SUCCESS" for check in checks for v in check.values())
 
     # torch.compile(fullgraph=True) of the Triton path with Explicit candidates: one node per direction, same bits.
@@ -510,6 +556,11 @@ def _op_checks(klt, plumbing_inputs) -> dict:
     eager = _run(klt.indexer_kl_triton, plumbing_inputs)
     out["compile_fullgraph_matches_eager"] = all(torch.equal(a, b)
                                                  for a, b in zip(_run(compiled, plumbing_inputs), eager))
+    # ... and with the warm-up's lazy set: the ranges ops, the same bits as eager.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: klt.indexer_kl_triton(*a), fullgraph=True)
+    out["compile_fullgraph_ranges_matches_eager"] = all(
+        torch.equal(a, b) for a, b in zip(_run(compiled, visible), _run(klt.indexer_kl_triton, visible)))
     return out
 
 
@@ -604,15 +655,17 @@ def test_plumbing(interpreted, check):
     assert interpreted["plumbing"][check]
 
 
-@pytest.mark.parametrize("check", ["explicit_runs_ops", "lazy_runs_function", "opcheck",
-                                   "compile_fullgraph_matches_eager"])
+@pytest.mark.parametrize("check", ["explicit_runs_ops", "other_lazy_sets_run_explicit_ops",
+                                   "visible_runs_ranges_ops", "opcheck", "compile_fullgraph_matches_eager",
+                                   "compile_fullgraph_ranges_matches_eager"])
 def test_registered_ops(interpreted, check):
     assert interpreted["op"][check]
 
 
-@pytest.mark.parametrize("variant", [f"{c}-{g}" for c in OP_CASES for g in ("saved", "recompute")])
-def test_explicit_ops_equal_lazy_function_bitwise(interpreted, variant):
-    assert interpreted["op"]["explicit_equals_lazy_bitwise"][variant]
+@pytest.mark.parametrize("variant", [f"{c}-{s}-{g}" for c in RANGE_CASES for s in ("visible", "rank-view")
+                                     for g in ("saved", "recompute")])
+def test_ranges_ops_equal_explicit_ops_bitwise(interpreted, variant):
+    assert interpreted["op"]["ranges_equal_explicit_bitwise"][variant]
 
 
 # ----------------------------------------------------------------------------------------------- GPU (V4-Flash)

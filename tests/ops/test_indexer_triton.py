@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from dsv4attn import variants
+from dsv4attn.ops.index_sets import contiguous_ranges
 
 from tests.ops.interpreter import run_worker
 from tests.ops.kernel_checks import OpLog
@@ -328,10 +329,10 @@ def _worker() -> None:
     c = CASES["fp32-H5-D32-top4-rows-table"]
     qt, kt, wt, cand_t, _ = _make(c, 8)
     opchecks = [torch.library.opcheck(ix_triton.indexer_topk_ranges_op,
-                                      (q, k, w, *ix_triton.contiguous_ranges(candidates), candidates.width, 5, tiles,
+                                      (q, k, w, *contiguous_ranges(candidates), candidates.width, 5, tiles,
                                        7 * (candidates.width + 32))),      # 7 rows per chunk (KP = 8)
                 torch.library.opcheck(ix_triton.indexer_topk_ranges_op,
-                                      (qt, kt, wt, *ix_triton.contiguous_ranges(cand_t), cand_t.width, 4, tiles,
+                                      (qt, kt, wt, *contiguous_ranges(cand_t), cand_t.width, 4, tiles,
                                        1 << 20))]
     plumbing["opcheck"] = all(v == "SUCCESS" for check in opchecks for v in check.values())
     torch._dynamo.reset()
@@ -549,7 +550,7 @@ def test_cuda_gluon_score_orders_match_triton(values, dtype, monkeypatch):
     real = gluon_scores.launch_orders
     monkeypatch.setattr(gluon_scores, "launch_orders", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(variants, "FAILED", {})
-    first, visible, _, _ = ix_triton.contiguous_ranges(candidates)
+    first, visible, _, _ = contiguous_ranges(candidates)
     rows = q.shape[0] - 5
     gen = torch.Generator(device="cuda").manual_seed(seed)
     table = torch.randperm(k.shape[0], device="cuda", generator=gen)
@@ -585,7 +586,7 @@ def test_cuda_misaligned_q_takes_the_triton_score_kernel():
     assert gluon_scores.available(q, k), gluon_scores.check(q, k)[1]
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape).copy_(q)
     assert shifted.data_ptr() % 16 != 0 and not gluon_scores.available(shifted, k)
-    first, visible, _, _ = ix_triton.contiguous_ranges(candidates)
+    first, visible, _, _ = contiguous_ranges(candidates)
     width = candidates.width
     got = {}
     for name, qq, kernel in (("aligned", q, "gluon"), ("shifted", shifted, "auto")):

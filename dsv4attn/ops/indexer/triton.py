@@ -58,7 +58,7 @@ import triton.language as tl
 from ... import backend, variants
 from ..gluon_common import sm90
 from ..triton_common import dot, dot_mode, interpreting, launch_fitting
-from ..index_sets import IndexSet, Rows, Stack, VisibleCompressed, chunk_rows
+from ..index_sets import IndexSet, Stack, chunk_rows, contiguous_ranges
 from .reference import indexer_topk_reference
 from . import gluon_hopper as gluon_scores
 
@@ -268,25 +268,6 @@ def _topk_select_kernel(ORDERS, FIRST, VISIBLE, TABLE, SCRATCH, OUT, SCORES, row
                 HAS_TABLE, BY_RANK)
 
 
-def contiguous_ranges(candidates: IndexSet):
-    """``(first, visible, table, shift)`` if row t's candidates are ``map(first[t] + j), j < visible[t]`` in
-    increasing j with ``map(e) = (table[e] if table is not None else e) + shift``; ``None`` for other sets."""
-    T = candidates.total_rows
-    base, row_offset, table, shift = candidates, 0, None, 0
-    if isinstance(candidates, Rows):
-        base, row_offset, table, shift = candidates.base, candidates.row_offset, candidates.table, candidates.shift
-    if not isinstance(base, VisibleCompressed):
-        return None
-    lay = base.layout
-    first = lay.row_first_entry[row_offset:row_offset + T]
-    visible = lay.row_visible[row_offset:row_offset + T]
-    if first.shape[0] != T:
-        return None
-    if base.offset:
-        first = first + base.offset
-    return first.contiguous(), visible.contiguous(), table, int(shift)
-
-
 def _score_orders(q, k, w, first, visible, table, shift: int, width: int, config: dict,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """(rows, width) int32 score orders of the query rows in ``q``, written where ``j < visible`` (module doc), into
@@ -473,4 +454,4 @@ variants.register("indexer_topk", "select", variants.Variant("triton", "top-k se
                                                              variants.always, variants.always))
 backend.register_kernel("indexer_topk", indexer_topk_triton)
 
-__all__ = ["indexer_topk_triton", "indexer_topk_ranges_op", "contiguous_ranges", "query_chunks", "TILE_KEYS"]
+__all__ = ["indexer_topk_triton", "indexer_topk_ranges_op", "query_chunks", "TILE_KEYS"]

@@ -52,15 +52,22 @@ enters the two gradient matmuls as two parts in the input dtype, hi + lo (``SPLI
 flash-attention rounds dS, is cheaper but less exact). float64 inputs fall back to the reference. No device->host
 sync: widths are host ints, per-row bounds stay on the device.
 
-Materialised (T, K) candidates (:class:`Explicit`: the sparse phase's top-k) run as the registered custom ops
-``torch.ops.dsv4attn.indexer_kl`` / ``indexer_kl_backward`` (``register_fake`` + ``register_autograd``: gradients
-to index_q, index_k and index_weights only), so ``torch.compile(fullgraph=True)`` sees one opaque node per
-direction and CUDA graphs can capture them. Lazy index sets (the warm-up's every-visible-entry sets, up to
-``max_seqlen // 4`` wide) keep an autograd Function that materialises them one chunk of query rows at a time, in
-both directions: a custom op would have to take (and save) the whole (T, K) tensor. Inside ``torch.compile`` they
-take the custom ops anyway, materialised whole (dynamo cannot trace the Function's launches). Both paths launch the same
-kernels through the same helpers (the op in chunks of rows as well), so they give the same bits. The kernels need a
-CUDA device, or the CPU interpreter (``TRITON_INTERPRET=1``).
+Two pairs of registered custom ops (``register_fake`` + ``register_autograd``: gradients to index_q, index_k and
+index_weights only), so that ``torch.compile(fullgraph=True)`` sees one opaque node per direction, in eager and
+compiled code alike, and CUDA graphs can capture them:
+
+- ``torch.ops.dsv4attn.indexer_kl`` / ``indexer_kl_backward`` take materialised (T, K) candidates
+  (:class:`Explicit`: the sparse phase's top-k);
+- ``torch.ops.dsv4attn.indexer_kl_ranges`` / ``indexer_kl_ranges_backward`` take the warm-up's every visible entry
+  (:class:`VisibleCompressed`, or the :class:`Rows` / :class:`Stack` views context parallelism makes of it: up to
+  ``max_seqlen // 4`` slots a row) as per-row contiguous ranges (``index_sets.contiguous_ranges``: (T,) first entry
+  and count, an optional entry table, a shift). Each direction materialises the slots one chunk of query rows at a
+  time and the op saves only the (T,) ranges, so memory stays linear in T (a (T, K) int32 candidate tensor would be
+  T^2 / 4 bytes: 1 GiB at T = 32K, 64 GiB at 256K).
+
+Other lazy index sets are materialised whole and take the first pair. Both pairs run the same helpers over row chunks
+of the same size, so they give the same bits. The kernels need a CUDA device, or the CPU interpreter
+(``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
@@ -74,7 +81,7 @@ from ..gluon_common import sm90
 from ..sparse_attention import gluon_hopper
 from . import gluon_hopper as gluon_kl
 from ..triton_common import dot, dot_mode, launch_fitting, round_to
-from ..index_sets import Explicit, IndexSet, chunk_rows, row_ends
+from ..index_sets import Explicit, IndexSet, chunk_rows, contiguous_ranges, range_rows, row_ends
 from .reference import FLT_MIN, indexer_kl_reference
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -449,16 +456,13 @@ def _bwd_shrink(meta: dict) -> dict | None:
     return dict(meta, BLOCK_N=meta["BLOCK_N"] // 2) if meta["BLOCK_N"] > 16 else None
 
 
-def _chunk_slots(candidates: IndexSet, start: int, end: int):
-    """(rows, K) int32 candidate slots of query rows start..end-1, materialised, and their row ends."""
-    idx = candidates.rows(start, end).to(torch.int32).contiguous()
-    return idx, row_ends(idx)
-
-
-def _lazy_chunks(candidates: IndexSet, ranges):
-    """``(start, end, idx, n_end)`` of each query-row range, materialised one range at a time."""
-    for s, e in ranges:
-        yield (s, e, *_chunk_slots(candidates, s, e))
+def _range_chunks(first: torch.Tensor, visible: torch.Tensor, table: torch.Tensor | None, shift: int, width: int):
+    """``(start, end, idx (rows, width) int32, n_end (rows,) int32)`` of each chunk of query rows (:data:`INDEX_BUDGET`
+    slots each) of the ranges ``(first, visible, table, shift)`` (``index_sets.contiguous_ranges``), materialised one
+    chunk at a time."""
+    for s, e in chunk_rows(first.shape[0], width, budget=INDEX_BUDGET):
+        idx = range_rows(first, visible, table, shift, width, s, e).to(torch.int32)
+        yield s, e, idx, row_ends(idx)
 
 
 def _common_dtype(a: torch.Tensor, b: torch.Tensor):
@@ -632,7 +636,7 @@ def _row_chunks(idx: torch.Tensor, n_end: torch.Tensor):
 
 def _teacher_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict, full: bool,
                      scores: torch.Tensor | None = None):
-    """The forward of both paths (the lazy Function and the registered op): on SM90 the Gluon teacher kernels form
+    """The forward of both op pairs: on SM90 the Gluon teacher kernels form
     each chunk's teacher mass (``full``) or full denominators and mass (the outside-mass form: the warm-up), and the
     full form runs on them; elsewhere, or if a Gluon teacher kernel cannot be built, the Triton kernel forms the
     teacher itself. ``chunks()`` gives the row chunks (a fresh iterator per call). Same returns as
@@ -647,7 +651,47 @@ def _teacher_forward(operands, outside_lse, chunks, K: int, scale: float, save_g
     return _kl_forward(operands, outside_lse, chunks(), K, scale, save_g, config, full, scores=scores)
 
 
-# ------------------------------------------------------------------------ materialised candidates: custom ops
+# ------------------------------------------------------------------------------------------- the custom ops
+def _forward_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, chunks, K: int, scale: float,
+                save_g: bool, fwd_tiles: list[int], full: bool, student_scores=None):
+    """The body of both forward ops: ``chunks()`` gives the row chunks. Returns kl, full2, rowstat and G ((0, K)
+    unless ``save_g``)."""
+    operands = _operands(index_q, index_k, index_weights, q, compressed_kv)
+    with backend.exact_math(index_q.device):
+        kl, full2, rowstat, g_buf = _teacher_forward(operands, outside_lse, chunks, K, scale, save_g,
+                                                     dict(zip(FWD_KEYS, fwd_tiles)), full, student_scores)
+    return kl, full2, rowstat, (kl.new_empty(0, K) if g_buf is None else g_buf)
+
+
+def _forward_fake(index_q, q, K: int, save_g: bool):
+    T, f32 = index_q.shape[0], dict(dtype=torch.float32)
+    return (index_q.new_empty(T, **f32), index_q.new_empty(T, q.shape[1], **f32), index_q.new_empty(T, 3, **f32),
+            index_q.new_empty(T if save_g else 0, K, **f32))
+
+
+def _backward_op(grad_kl, index_q, index_k, index_weights, q, compressed_kv, full2, rowstat, g, chunks, K: int,
+                 scale: float, bwd_tiles: list[int], fwd_tiles: Optional[list[int]]):
+    """The body of both backward ops: ``g`` with T rows is the saved dKL/dI; with 0 rows the teacher is formed again
+    (:func:`_backward_from_saved`; the forward's config ``fwd_tiles``, default :data:`FWD_CONFIG`, serves the Gluon
+    teacher path's dKL/dI). d index_k is accumulated with fp32 atomics (its last bits vary from run to run on a
+    GPU)."""
+    with backend.exact_math(index_q.device):
+        d_qi, d_ki, d_w = _backward_from_saved(
+            grad_kl, _operands(index_q, index_k, index_weights, q, compressed_kv), full2, rowstat,
+            g if g.shape[0] == index_q.shape[0] else None, chunks, K, scale,
+            dict(zip(FWD_KEYS, fwd_tiles)) if fwd_tiles is not None else FWD_CONFIG, _bwd_config(bwd_tiles))
+    return d_qi.to(index_q.dtype), d_ki[:index_k.shape[0]].to(index_k.dtype), d_w.to(index_weights.dtype)
+
+
+def _backward_fake(index_q, index_k, index_weights):
+    return (index_q.new_empty(index_q.shape), index_k.new_empty(index_k.shape),
+            index_weights.new_empty(index_weights.shape))
+
+
+def _zero_grad_if_none(grad_kl, index_q):
+    return index_q.new_zeros(index_q.shape[0], dtype=torch.float32) if grad_kl is None else grad_kl
+
+
 @torch.library.custom_op("dsv4attn::indexer_kl", mutates_args=())
 def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
                   compressed_kv: torch.Tensor, outside_lse: torch.Tensor, candidates: torch.Tensor, scale: float,
@@ -664,26 +708,18 @@ def indexer_kl_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: t
     """
     if student_scores is not None and not full:
         raise ValueError("indexer_kl op: student_scores needs full=True (the full-denominator form reads them)")
-    T, K = candidates.shape
     idx = candidates.to(torch.int32).contiguous()
     n_end = row_ends(idx)
-    operands = _operands(index_q, index_k, index_weights, q, compressed_kv)
-    config = dict(zip(FWD_KEYS, fwd_tiles))
-    with backend.exact_math(index_q.device):
-        kl, full2, rowstat, g_buf = _teacher_forward(operands, outside_lse, lambda: _row_chunks(idx, n_end), K, scale,
-                                                     save_g, config, full, student_scores)
-    if g_buf is None:
-        g_buf = kl.new_empty(0, K)
-    return kl, full2, rowstat, g_buf, n_end
+    return (*_forward_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse,
+                         lambda: _row_chunks(idx, n_end), idx.shape[1], scale, save_g, fwd_tiles, full,
+                         student_scores), n_end)
 
 
 @indexer_kl_op.register_fake
 def _indexer_kl_fake(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates, scale, save_g,
                      fwd_tiles, bwd_tiles, full=False, student_scores=None):
     T, K = candidates.shape
-    f32 = dict(dtype=torch.float32)
-    return (index_q.new_empty(T, **f32), index_q.new_empty(T, q.shape[1], **f32), index_q.new_empty(T, 3, **f32),
-            index_q.new_empty(T if save_g else 0, K, **f32), index_q.new_empty(T, dtype=torch.int32))
+    return (*_forward_fake(index_q, q, K, save_g), index_q.new_empty(T, dtype=torch.int32))
 
 
 @torch.library.custom_op("dsv4attn::indexer_kl_backward", mutates_args=())
@@ -692,30 +728,19 @@ def indexer_kl_backward_op(grad_kl: torch.Tensor, index_q: torch.Tensor, index_k
                            candidates: torch.Tensor, n_end: torch.Tensor, full2: torch.Tensor, rowstat: torch.Tensor,
                            g: torch.Tensor, scale: float, bwd_tiles: list[int], full: bool = False,
                            fwd_tiles: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """d index_q, d index_k, d index_weights (in their own dtypes) from the forward's saved state.
-
-    ``g`` with T rows: the saved dKL/dI is used; with 0 rows the teacher is formed again
-    (:func:`_backward_from_saved`; the forward's config ``fwd_tiles``, default :data:`FWD_CONFIG`, serves the Gluon
-    teacher path's dKL/dI). d index_k is accumulated with fp32 atomics (its last bits vary from run to run on a GPU).
-    ``full`` is not read (``full2`` holds the natural-log L in either form): it stays in the schema so that graphs
-    that ``torch.compile`` cached with an earlier version, which pass it, still call this op (PyTorch's compile
-    caches are not keyed by a custom op's schema: pytorch/pytorch#144344).
-    """
-    T, K = candidates.shape
+    """d index_q, d index_k, d index_weights (in their own dtypes) from :func:`indexer_kl_op`'s saved state
+    (:func:`_backward_op`). ``full`` is not read (``full2`` holds the natural-log L in either form): it stays in the
+    schema so that graphs that ``torch.compile`` cached with an earlier version, which pass it, still call this op
+    (PyTorch's compile caches are not keyed by a custom op's schema: pytorch/pytorch#144344)."""
     idx = candidates.to(torch.int32).contiguous()
-    with backend.exact_math(index_q.device):
-        d_qi, d_ki, d_w = _backward_from_saved(
-            grad_kl, _operands(index_q, index_k, index_weights, q, compressed_kv), full2, rowstat,
-            g if g.shape[0] == T else None, lambda: _row_chunks(idx, n_end.contiguous()), K, scale,
-            dict(zip(FWD_KEYS, fwd_tiles)) if fwd_tiles is not None else FWD_CONFIG, _bwd_config(bwd_tiles))
-    return d_qi.to(index_q.dtype), d_ki[:index_k.shape[0]].to(index_k.dtype), d_w.to(index_weights.dtype)
+    return _backward_op(grad_kl, index_q, index_k, index_weights, q, compressed_kv, full2, rowstat, g,
+                        lambda: _row_chunks(idx, n_end.contiguous()), idx.shape[1], scale, bwd_tiles, fwd_tiles)
 
 
 @indexer_kl_backward_op.register_fake
 def _indexer_kl_backward_fake(grad_kl, index_q, index_k, index_weights, q, compressed_kv, candidates, n_end, full2,
                               rowstat, g, scale, bwd_tiles, full=False, fwd_tiles=None):
-    return (index_q.new_empty(index_q.shape), index_k.new_empty(index_k.shape),
-            index_weights.new_empty(index_weights.shape))
+    return _backward_fake(index_q, index_k, index_weights)
 
 
 def _setup_context(ctx, inputs, output):
@@ -727,11 +752,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_kl, *_grad_state):
-    index_q = ctx.saved_tensors[0]
-    if grad_kl is None:
-        grad_kl = index_q.new_zeros(index_q.shape[0], dtype=torch.float32)
-    d_qi, d_ki, d_w = indexer_kl_backward_op(grad_kl, *ctx.saved_tensors, ctx.scale, ctx.bwd_tiles,
-                                             fwd_tiles=ctx.fwd_tiles)
+    d_qi, d_ki, d_w = indexer_kl_backward_op(_zero_grad_if_none(grad_kl, ctx.saved_tensors[0]), *ctx.saved_tensors,
+                                             ctx.scale, ctx.bwd_tiles, fwd_tiles=ctx.fwd_tiles)
     # No gradient to q, compressed_kv, outside_lse (the teacher is detached), candidates, the student scores
     # (values only: the gradients of index_q, index_k and index_weights come from the dots formed again) or the
     # host arguments.
@@ -741,43 +763,65 @@ def _backward(ctx, grad_kl, *_grad_state):
 indexer_kl_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# ------------------------------------------------------------------------------- lazy index sets: chunk by chunk
-class _IndexerKLTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: IndexSet,
-                scale: float, config: dict, bwd_config: dict, full: bool):
-        T, K = index_q.shape[0], candidates.width
-        operands = _operands(index_q, index_k, index_weights, q, compressed_kv)
-        save_g = K <= SAVE_G_MAX_WIDTH and any(ctx.needs_input_grad[:3])
-        ranges = list(chunk_rows(T, K, budget=INDEX_BUDGET))
-        # With a saved dKL/dI (rows at most SAVE_G_MAX_WIDTH wide) the backward reuses the materialised chunks;
-        # otherwise only one chunk exists at a time, in either direction.
-        materialised = []
+@torch.library.custom_op("dsv4attn::indexer_kl_ranges", mutates_args=())
+def indexer_kl_ranges_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
+                         compressed_kv: torch.Tensor, outside_lse: torch.Tensor, first: torch.Tensor,
+                         visible: torch.Tensor, table: Optional[torch.Tensor], shift: int, width: int, scale: float,
+                         save_g: bool, fwd_tiles: list[int], bwd_tiles: list[int], full: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward of :func:`indexer_kl_triton` for the candidates ``map(first[t] + j), j < visible[t]`` of each row,
+    ``width`` (>= 1) slots wide (``index_sets.contiguous_ranges``: ``first``, ``visible`` (T,) int, ``table`` None or
+    the entry -> row map, ``shift``). Returns kl, full2, rowstat and G as :func:`indexer_kl_op` (no row ends: the
+    backward materialises the slots again from the ranges, one chunk at a time)."""
+    return _forward_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse,
+                       lambda: _range_chunks(first, visible, table, shift, width), width, scale, save_g, fwd_tiles,
+                       full)
 
-        def chunks():
-            if not save_g:
-                return _lazy_chunks(candidates, ranges)
-            if not materialised:
-                materialised.extend(_lazy_chunks(candidates, ranges))
-            return materialised
-        kl, full2, rowstat, g_buf = _teacher_forward(operands, outside_lse, chunks, K, scale, save_g, config, full)
-        ctx.save_for_backward(*operands, full2, rowstat, g_buf)
-        ctx.chunks, ctx.ranges = (materialised if save_g else None), ranges
-        ctx.candidates, ctx.scale, ctx.config, ctx.bwd_config = candidates, scale, config, bwd_config
-        ctx.dtypes = (index_q.dtype, index_k.dtype, index_weights.dtype, index_k.shape[0])
-        return kl
 
-    @staticmethod
-    def backward(ctx, grad_kl):
-        qi, ki, w, qm, ckv, full2, rowstat, g_buf = ctx.saved_tensors
-        dt_q, dt_k, dt_w, n_keys = ctx.dtypes
+@indexer_kl_ranges_op.register_fake
+def _indexer_kl_ranges_fake(index_q, index_k, index_weights, q, compressed_kv, outside_lse, first, visible, table,
+                            shift, width, scale, save_g, fwd_tiles, bwd_tiles, full=False):
+    return _forward_fake(index_q, q, width, save_g)
 
-        def chunks():
-            return ctx.chunks if ctx.chunks is not None else _lazy_chunks(ctx.candidates, ctx.ranges)
-        d_qi, d_ki, d_w = _backward_from_saved(grad_kl, (qi, ki, w, qm, ckv), full2, rowstat, g_buf, chunks,
-                                               ctx.candidates.width, ctx.scale, ctx.config, ctx.bwd_config)
-        return (d_qi.to(dt_q), d_ki[:n_keys].to(dt_k), d_w.to(dt_w), None, None, None, None, None, None, None,
-                None)
+
+@torch.library.custom_op("dsv4attn::indexer_kl_ranges_backward", mutates_args=())
+def indexer_kl_ranges_backward_op(grad_kl: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+                                  index_weights: torch.Tensor, q: torch.Tensor, compressed_kv: torch.Tensor,
+                                  first: torch.Tensor, visible: torch.Tensor, table: Optional[torch.Tensor],
+                                  full2: torch.Tensor, rowstat: torch.Tensor, g: torch.Tensor, shift: int, width: int,
+                                  scale: float, fwd_tiles: list[int], bwd_tiles: list[int]
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """d index_q, d index_k, d index_weights (in their own dtypes) from :func:`indexer_kl_ranges_op`'s saved state
+    (:func:`_backward_op`)."""
+    return _backward_op(grad_kl, index_q, index_k, index_weights, q, compressed_kv, full2, rowstat, g,
+                        lambda: _range_chunks(first, visible, table, shift, width), width, scale, bwd_tiles,
+                        fwd_tiles)
+
+
+@indexer_kl_ranges_backward_op.register_fake
+def _indexer_kl_ranges_backward_fake(grad_kl, index_q, index_k, index_weights, q, compressed_kv, first, visible,
+                                     table, full2, rowstat, g, shift, width, scale, fwd_tiles, bwd_tiles):
+    return _backward_fake(index_q, index_k, index_weights)
+
+
+def _setup_ranges_context(ctx, inputs, output):
+    (index_q, index_k, index_weights, q, compressed_kv, _, first, visible, table, shift, width, scale, _, fwd_tiles,
+     bwd_tiles, _) = inputs
+    _, full2, rowstat, g = output
+    ctx.save_for_backward(index_q, index_k, index_weights, q, compressed_kv, first, visible, table, full2, rowstat,
+                          g)
+    ctx.shift, ctx.width, ctx.scale, ctx.fwd_tiles, ctx.bwd_tiles = shift, width, scale, fwd_tiles, bwd_tiles
+    ctx.mark_non_differentiable(full2, rowstat, g)
+
+
+def _ranges_backward(ctx, grad_kl, *_grad_state):
+    d_qi, d_ki, d_w = indexer_kl_ranges_backward_op(_zero_grad_if_none(grad_kl, ctx.saved_tensors[0]),
+                                                    *ctx.saved_tensors, ctx.shift, ctx.width, ctx.scale,
+                                                    ctx.fwd_tiles, ctx.bwd_tiles)
+    return (d_qi, d_ki, d_w) + (None,) * 13
+
+
+indexer_kl_ranges_op.register_autograd(_ranges_backward, setup_context=_setup_ranges_context)
 
 
 def _kl_backward_gluon_teacher(grad_kl, operands, full_lse, chunks, K: int, scale: float, config: dict,
@@ -824,8 +868,10 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
             with ``full`` each head's full denominator L_h instead (window + sink + S_t), which spares the pass that
             forms the teacher logits only for their LSE.
         candidates: an :class:`IndexSet` of width K (rows of ``index_k`` / ``compressed_kv``, -1 = empty).
-            :class:`Explicit` runs the registered ops; any other kind is materialised one chunk of query rows at a
-            time.
+            :class:`Explicit` runs ``indexer_kl``; :class:`VisibleCompressed`, a :class:`Rows` view of one or a
+            :class:`Stack` of those views (``index_sets.contiguous_ranges``) runs ``indexer_kl_ranges``
+            (materialised one chunk of query rows at a time, in both directions); any other set is materialised
+            whole.
         scale: main attention softmax scale.
         config / bwd_config: tile configurations (default :data:`FWD_CONFIG` / :data:`BWD_CONFIG`).
         student_scores: with ``full``, the (T, K) student logits the top-k formed (the forward reads them instead of
@@ -833,9 +879,8 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
     Returns:
         (T,) fp32 KL per row, 0 for rows with an empty S_t.
 
-    float64 inputs, and empty problems (T = 0 or K = 0), **fall back to the reference**. Inside ``torch.compile``
-    a lazy index set (the warm-up teacher's every visible entry) is materialised whole and runs the registered
-    ops too: dynamo cannot trace the chunked path's launches, and a graph break would split the layer.
+    float64 inputs, and empty problems (T = 0 or K = 0), **fall back to the reference**. Eager and compiled code
+    take the same ops (module doc).
     """
     tensors = (index_q, index_k, index_weights, q, compressed_kv, outside_lse)
     if (any(t.dtype not in KERNEL_DTYPES for t in tensors) or index_q.shape[0] == 0 or candidates.width == 0):
@@ -849,21 +894,22 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
         student_scores = student_scores.detach()
         if not isinstance(candidates, Explicit):
             candidates = Explicit(candidates.materialize())
-    if torch.compiler.is_compiling() and not isinstance(candidates, Explicit):
-        # Dynamo cannot trace the lazy path's kernel launches (Triton's C helpers, the Gluon dispatch), so a
-        # compiled graph takes the registered op with the whole (T, K) int32 candidate tensor (4 bytes a slot).
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (index_q, index_k, index_weights))
+    ranges = None if isinstance(candidates, Explicit) else contiguous_ranges(candidates)
+    if ranges is not None:                     # the warm-up's every visible entry
+        first, visible, table, shift = ranges
+        return indexer_kl_ranges_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, first, visible,
+                                    table, shift, candidates.width, float(scale),
+                                    candidates.width <= SAVE_G_MAX_WIDTH and grads, fwd_tiles, bwd_tiles,
+                                    bool(full))[0]
+    if not isinstance(candidates, Explicit):
         candidates = Explicit(candidates.materialize())
-    if isinstance(candidates, Explicit):       # the sparse phase's top-k
-        idx = candidates.rows(0, candidates.total_rows) if candidates.offset else candidates.indices
-        # Given student scores always save dKL/dI (G is their size): a backward recomputing the teacher would form
-        # the student from the dots again, not from the given scores its forward used.
-        save_g = ((candidates.width <= SAVE_G_MAX_WIDTH or student_scores is not None) and torch.is_grad_enabled()
-                  and any(t.requires_grad for t in (index_q, index_k, index_weights)))
-        return indexer_kl_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, idx.to(torch.int32),
-                             float(scale), save_g, fwd_tiles, bwd_tiles, bool(full), student_scores)[0]
-    return _IndexerKLTriton.apply(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates,
-                                  float(scale), dict(zip(FWD_KEYS, fwd_tiles)), _bwd_config(bwd_tiles),
-                                  bool(full))
+    idx = candidates.rows(0, candidates.total_rows) if candidates.offset else candidates.indices
+    # Given student scores always save dKL/dI (G is their size): a backward recomputing the teacher would form the
+    # student from the dots again, not from the given scores its forward used.
+    save_g = (candidates.width <= SAVE_G_MAX_WIDTH or student_scores is not None) and grads
+    return indexer_kl_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, idx.to(torch.int32),
+                         float(scale), save_g, fwd_tiles, bwd_tiles, bool(full), student_scores)[0]
 
 
 def _bwd_config(bwd_tiles) -> dict:
@@ -886,5 +932,6 @@ variants.register(
     variants.Variant("triton", "KL backward kernel (_indexer_kl_bwd_kernel)", variants.always, variants.always))
 backend.register_kernel("indexer_kl", indexer_kl_triton)
 
-__all__ = ["indexer_kl_triton", "indexer_kl_op", "indexer_kl_backward_op", "FWD_CONFIG", "BWD_CONFIG", "FWD_KEYS",
+__all__ = ["indexer_kl_triton", "indexer_kl_op", "indexer_kl_backward_op", "indexer_kl_ranges_op",
+           "indexer_kl_ranges_backward_op", "FWD_CONFIG", "BWD_CONFIG", "FWD_KEYS",
            "BWD_KEYS", "SAVE_G_MAX_WIDTH"]
