@@ -9,7 +9,7 @@ useful rate. Times are the median of 10 runs after warm-up (CUDA events); the au
 (no argument checks). "peak MiB" is what a call allocates beyond its inputs. Run (CUDA, Triton):
 
     python benchmarks/indexer_loss.py [--sparse-T 8192 32768] [--warmup-T 8192] [--reference-T 8192 32768]
-                                      [--check-T 4096] [--sweep] [--log out.txt]
+                                      [--check-T 4096] [--sweep] [--split] [--log out.txt]
 
 Target (issue #5): sparse forward+backward <= 2.5 ms at T = 32K; the warm-up must stream (memory linear in T).
 """
@@ -115,6 +115,68 @@ def bench(T: int, mode: str, log, with_reference: bool, config=None, bwd_config=
         f"{ref[0]} | {ref[1]} | {ref[2]} | {ref[3]} |")
 
 
+def split(T: int, log) -> None:
+    """The warm-up teacher's time by part at ``T`` (one document, every visible entry, outside mass given), each part
+    alone over all row chunks, as ``indexer_kl_ranges`` runs them on SM90 (Gluon teacher): materialising the chunks'
+    slots, teacher LSE, teacher mass, the KL forward kernel on that mass (student dots, KL terms, dKL/dI), the KL
+    backward kernel on a saved dKL/dI; then the op forward and forward + backward (the backward without a saved
+    dKL/dI forms the mass and the forward kernel again). FLOPs: teacher logits 2 H D, student dots 2 Hi Di, KL backward
+    3 x 2 Hi Di per valid (row, slot) pair."""
+    from dsv4attn.ops.index_sets import contiguous_ranges
+    from dsv4attn.ops.indexer_loss import triton as klt
+    from dsv4attn.ops.sparse_attention import gluon_hopper
+    inputs, pairs = make_inputs(T, "warmup")
+    index_q, index_k, index_w, q, ckv, outside, cand, grad_kl = inputs
+    K, scale, cfg = cand.width, D ** -0.5, dict(klt.FWD_CONFIG)
+    if not klt._gluon_teacher(q, K):
+        log(f"split T={T}: the Gluon teacher does not apply here (needs SM90); nothing timed")
+        return
+    qi, ki, w, qm, ck = klt._operands(index_q, index_k, index_w, q, ckv)
+    first, visible, table, shift = contiguous_ranges(cand)
+    chunks = list(klt._range_chunks(first, visible, table, shift, K))
+    full = torch.empty(T, H, device="cuda")
+    mass = [None] * len(chunks)
+    g = [None] * len(chunks)
+
+    def slots():
+        for _ in klt._range_chunks(first, visible, table, shift, K):
+            pass
+
+    def lse():
+        for s, e, idx, n_end in chunks:
+            full[s:e] = torch.logaddexp(outside[s:e], gluon_hopper.teacher_lse(qm[s:e], ck, idx, scale, n_end=n_end))
+
+    def teacher_mass():
+        for i, (s, e, idx, n_end) in enumerate(chunks):
+            mass[i] = gluon_hopper.teacher_mass(qm[s:e], ck, idx, full[s:e], scale, n_end=n_end)
+
+    def kl_forward():
+        for i, (s, e, idx, n_end) in enumerate(chunks):
+            rows = (qi[s:e], ki, w[s:e], qm[s:e], ck)
+            g[i] = klt._kl_forward(rows, full[s:e], [(0, e - s, idx, n_end)], K, scale, True, cfg, True, mass[i])
+
+    def kl_backward():
+        for i, (s, e, idx, n_end) in enumerate(chunks):
+            rows = (qi[s:e], ki, w[s:e], qm[s:e], ck)
+            _, full2, rowstat, g_rows = g[i]
+            klt._kl_backward(grad_kl[s:e], rows, full2, rowstat, g_rows, [(0, e - s, idx, n_end)], K, scale,
+                             klt._bwd_config(klt._tiles(None, klt.BWD_CONFIG, klt.BWD_KEYS)))
+    fwd, fwd_bwd = _calls(klt.indexer_kl_triton, inputs)
+    teacher, student = 2.0 * pairs * H * D, 2.0 * pairs * HI * DI
+    log(f"warm-up teacher by part, T={T}, K={K}, {len(chunks)} row chunks, {pairs} valid (row, slot) pairs")
+    log("| part | ms | TFLOP | TFLOP/s (/782) |")
+    log("|---|---|---|---|")
+    for name, fn, flop in (("materialise the slots", slots, 0.0), ("teacher LSE (Gluon)", lse, teacher),
+                           ("teacher mass (Gluon)", teacher_mass, teacher),
+                           ("KL forward kernel, mass given", kl_forward, student),
+                           ("KL backward kernel, dKL/dI given", kl_backward, 3 * student),
+                           ("op forward", fwd, 2 * teacher + student),
+                           ("op forward + backward", fwd_bwd, 3 * teacher + 5 * student)):
+        ms = time_ms(fn)
+        rate = f"{flop / ms / 1e9:.0f} ({flop / ms / 1e9 / MATMUL_PEAK_TFLOPS:.2f})" if flop else "-"
+        log(f"| {name} | {ms:.3f} | {flop / 1e12:.2f} | {rate} |")
+
+
 def _cfg(base: dict, **changes) -> dict:
     return dict(base, **changes)
 
@@ -147,6 +209,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations (sparse mode)")
     parser.add_argument("--full-lse", action="store_true",
                         help="also time the sparse mode's full_lse form, teacher mass from Gluon (SM90) and Triton")
+    parser.add_argument("--split", action="store_true", help="also time the warm-up teacher's parts at each warmup-T")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
     log = start_log("indexer_loss.py", args.log)
@@ -168,6 +231,10 @@ def main() -> None:
             variants.FAILED[key] = "switched off by the benchmark"
             bench(T, "sparse", log, False, tag=" full_lse, Triton teacher", full=True)
             del variants.FAILED[key]
+    if args.split:
+        for T in args.warmup_T:
+            split(T, log)
+            torch.cuda.empty_cache()
     if args.sweep and args.sparse_T:
         sweep(args.sparse_T[-1], log)
 
