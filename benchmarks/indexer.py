@@ -118,7 +118,6 @@ def bench(T: int, cfg, doc_len: int, log, with_reference: bool, config=None, tag
 
 def bench_cudnn(T: int, cfg, log, cudnn_dir: str) -> None:
     """Ours against cuDNN's SM90 indexer (score matrix + top-k) on one document of T rows (module docstring)."""
-    from dsv4attn.ops.index_sets import contiguous_ranges
     from dsv4attn.ops.indexer import triton as ixt
     q, k, w, cand, pairs = make_inputs(T, 0, cfg)
     topk, flop = cfg.index_topk, 2.0 * cfg.index_n_heads * cfg.index_head_dim * pairs

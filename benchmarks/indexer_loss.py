@@ -5,7 +5,7 @@ rows. ``sparse``: the candidates are a (T, 512) top-k (an Explicit index set; ra
 entries, -1 filled at the end, as the indexer's top-k is); ``warmup``: every visible compressed entry
 (VisibleCompressed, up to T/4 per row). FLOPs count valid slots only: forward = 2 * (H * D + Hi * Di) per
 (row, candidate) (teacher logits + student dots; two-pass mode computes both twice, not counted), so TFLOP/s is the
-useful rate. Times are the median of 10 runs after warm-up (CUDA events); the autograd Function is called directly
+useful rate. Times are the median of 10 runs after warm-up (CUDA events); ``indexer_kl_triton`` is called directly
 (no argument checks). "peak MiB" is what a call allocates beyond its inputs. Run (CUDA, Triton):
 
     python benchmarks/indexer_loss.py [--sparse-T 8192 32768] [--warmup-T 8192] [--reference-T 8192 32768]

@@ -5,10 +5,8 @@ matmul's FLOPs, without running a kernel.
 
 The layer runs on fake tensors (``FakeTensorMode``: shapes and dtypes, no storage) with the Triton backend forced,
 so the ops take the CUDA path's dispatch (our kernels as opaque custom ops, their fake kernels run) and the CUDA
-chunk budgets (``index_sets.CHUNK_BUDGET``). The CSA layer's warm-up phase cannot be counted (its KL runs the lazy
-candidate sets through an autograd Function that launches kernels directly) and is skipped. A dispatch mode logs
-each op with the bytes of its tensor inputs and outputs; views, allocations and metadata ops move nothing and are
-left out. Classes:
+chunk budgets (``index_sets.CHUNK_BUDGET``). A dispatch mode logs each op with the bytes of its tensor inputs and
+outputs; views, allocations and metadata ops move nothing and are left out. Classes:
 
 - *matmul*: ``mm`` / ``bmm`` / ``addmm``: FLOPs, and the time at the measured bf16 matmul peak (``--peak``);
 - *rope*: our q-norm + RoPE and RoPE ops (``dsv4attn::qnorm_rope``, ``rope_rotate`` and their backwards),
@@ -90,8 +88,6 @@ def count(preset: str, rows: int, ratio: int, phase: str) -> list[tuple]:
     pack = dsv4attn.pack_batch(torch.tensor([0, rows], dtype=torch.int32), rows, max_seqlen=rows)
     if ratio:
         pack.compressed(ratio)                  # built from real values, outside the fake mode
-    if (ratio, phase) == (4, "warmup"):
-        raise ValueError("the CSA layer's warm-up phase cannot be counted on fake tensors (module docstring)")
     log, saved, forced = OpLog(), dict(index_sets.CHUNK_BUDGET), backend.forced()
     index_sets.CHUNK_BUDGET["cpu"] = index_sets.CHUNK_BUDGET["cuda"]
     dsv4attn.set_backend("triton")
@@ -114,8 +110,7 @@ def main() -> None:
     ap.add_argument("--preset", default="flash", choices=("tiny", "flash", "pro"))
     ap.add_argument("--rows", type=int, nargs="+", default=[32768])
     ap.add_argument("--ratios", type=int, nargs="+", default=[4, 128, 0])
-    ap.add_argument("--phase", default="sparse", choices=("dense", "warmup", "sparse"),
-                    help="warmup: ratio 0 and 128 only (module docstring)")
+    ap.add_argument("--phase", default="sparse", choices=("dense", "warmup", "sparse"))
     ap.add_argument("--top", type=int, default=12, help="list the N 'other' ops that move the most bytes")
     ap.add_argument("--peak", type=float, default=782.0, help="matmul TFLOP/s (the H200's measured bf16 peak)")
     ap.add_argument("--bandwidth", type=float, default=4.0, help="TB/s the elementwise passes reach")
@@ -128,9 +123,6 @@ def main() -> None:
     heavy = []
     for rows in args.rows:
         for ratio in args.ratios:
-            if (ratio, args.phase) == (4, "warmup"):
-                print(f"| {rows} | {ratio} | - | not countable (module docstring) | | | | |")
-                continue
             totals = defaultdict(lambda: [0, 0, 0])
             for direction, name, shape, read, written, flop in count(args.preset, rows, ratio, args.phase):
                 k = kind(name, flop)
