@@ -265,6 +265,19 @@ if IMPORTED:
                      STAGES)
 
     @gluon.jit
+    def _teacher_scores(IDX, row_base, K, b, q_smem, ring, full, empty, s_zero, s_layout: gl.constexpr,
+                        STAGES: gl.constexpr):
+        # Block b of a teacher consumer: its slot numbers n, candidate rows idx (-1 past K) and s = Q C^T from the
+        # ring stage, which is released right after the product.
+        n = b * s_zero.shape[1] + gl.arange(0, s_zero.shape[1], layout=gl.SliceLayout(0, s_layout))
+        idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
+        mbarrier.wait(full.index(b % STAGES), (b // STAGES) & 1)
+        fence_async_shared()
+        s = warpgroup_mma(q_smem, ring.index(b % STAGES).permute((1, 0)), s_zero, use_acc=False)
+        mbarrier.arrive(empty.index(b % STAGES))
+        return n, idx, s
+
+    @gluon.jit
     def _mass_consumer(IDX, NEND, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
                        W: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         # Teacher mass, consumer warpgroup W: blocks b = W, W + 2, ... up to the row's last valid slot (independent:
@@ -282,12 +295,7 @@ if IMPORTED:
         s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
         row_base = t * K
         for b in range(W, row_blocks(NEND, t, BLOCK_N), 2):
-            n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
-            mbarrier.wait(full.index(b % STAGES), (b // STAGES) & 1)
-            fence_async_shared()
-            s = warpgroup_mma(q_smem, ring.index(b % STAGES).permute((1, 0)), s_zero, use_acc=False)
-            mbarrier.arrive(empty.index(b % STAGES))
+            n, idx, s = _teacher_scores(IDX, row_base, K, b, q_smem, ring, full, empty, s_zero, s_layout, STAGES)
             p = gl.exp2((s * qk_scale - full_lse[:, None]) * LOG2E_C)
             mass = gl.sum(gl.where((idx >= 0)[None, :], p, 0.0), 0)
             gl.store(plane + row_base + n, mass, mask=n < K)
@@ -309,12 +317,7 @@ if IMPORTED:
         s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
         row_base = t * K
         for b in range(W, row_blocks(NEND, t, BLOCK_N), 2):
-            n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
-            mbarrier.wait(full.index(b % STAGES), (b // STAGES) & 1)
-            fence_async_shared()
-            s = warpgroup_mma(q_smem, ring.index(b % STAGES).permute((1, 0)), s_zero, use_acc=False)
-            mbarrier.arrive(empty.index(b % STAGES))
+            n, idx, s = _teacher_scores(IDX, row_base, K, b, q_smem, ring, full, empty, s_zero, s_layout, STAGES)
             s = gl.where((idx >= 0)[None, :], s * qk_scale_log2, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1))
             l_i = l_i * gl.exp2(m_i - m_new) + gl.sum(gl.exp2(s - m_new[:, None]), 1)
