@@ -118,10 +118,11 @@ def bench(T: int, mode: str, log, with_reference: bool, config=None, bwd_config=
 def split(T: int, log) -> None:
     """The warm-up teacher's time by part at ``T`` (one document, every visible entry, outside mass given), each part
     alone over all row chunks, as ``indexer_kl_ranges`` runs them on SM90 (Gluon teacher): materialising the chunks'
-    slots, teacher LSE, teacher mass, the KL forward kernel on that mass (student dots, KL terms, dKL/dI), the KL
-    backward kernel on a saved dKL/dI; then the op forward and forward + backward (the backward without a saved
-    dKL/dI forms the mass and the forward kernel again). FLOPs: teacher logits 2 H D, student dots 2 Hi Di, KL backward
-    3 x 2 Hi Di per valid (row, slot) pair."""
+    slots, teacher LSE, teacher mass, the student's logits (the indexer's score kernel), the KL forward on that mass
+    (those logits, then the KL terms and dKL/dI), the KL backward kernel on a saved dKL/dI; then the op forward and
+    forward + backward (the backward without a saved dKL/dI forms the mass, the logits and the forward kernel
+    again). FLOPs: teacher logits 2 H D, student dots 2 Hi Di, KL backward 3 x 2 Hi Di per valid (row, slot) pair
+    (the score kernel's FLOPs count the valid pairs only, as the others do)."""
     from dsv4attn.ops.index_sets import contiguous_ranges
     from dsv4attn.ops.indexer_loss import triton as klt
     from dsv4attn.ops.sparse_attention import gluon_hopper
@@ -134,6 +135,8 @@ def split(T: int, log) -> None:
     qi, ki, w, qm, ck = klt._operands(index_q, index_k, index_w, q, ckv)
     first, visible, table, shift = contiguous_ranges(cand)
     chunks = list(klt._range_chunks(first, visible, table, shift, K))
+    ranges = klt._student_ranges(first, visible, table, shift, [])
+    orders = torch.empty(max(e - s for s, e, _, _ in chunks), K, dtype=torch.int32, device="cuda")
     full = torch.empty(T, H, device="cuda")
     mass = [None] * len(chunks)
     g = [None] * len(chunks)
@@ -150,10 +153,15 @@ def split(T: int, log) -> None:
         for i, (s, e, idx, n_end) in enumerate(chunks):
             mass[i] = gluon_hopper.teacher_mass(qm[s:e], ck, idx, full[s:e], scale, n_end=n_end)
 
+    def student():
+        for s, e, _, _ in chunks:
+            klt._student_orders(qi[s:e], ki, w[s:e], ranges.rows(s, e), K, orders[:e - s])
+
     def kl_forward():
         for i, (s, e, idx, n_end) in enumerate(chunks):
             rows = (qi[s:e], ki, w[s:e], qm[s:e], ck)
-            g[i] = klt._kl_forward(rows, full[s:e], [(0, e - s, idx, n_end)], K, scale, True, cfg, True, mass[i])
+            g[i] = klt._kl_forward(rows, full[s:e], [(0, e - s, idx, n_end)], K, scale, True, cfg, True, mass[i],
+                                   ranges=ranges.rows(s, e))
 
     def kl_backward():
         for i, (s, e, idx, n_end) in enumerate(chunks):
@@ -162,16 +170,17 @@ def split(T: int, log) -> None:
             klt._kl_backward(grad_kl[s:e], rows, full2, rowstat, g_rows, [(0, e - s, idx, n_end)], K, scale,
                              klt._bwd_config(klt._tiles(None, klt.BWD_CONFIG, klt.BWD_KEYS)))
     fwd, fwd_bwd = _calls(klt.indexer_kl_triton, inputs)
-    teacher, student = 2.0 * pairs * H * D, 2.0 * pairs * HI * DI
+    teacher, student_flop = 2.0 * pairs * H * D, 2.0 * pairs * HI * DI
     log(f"warm-up teacher by part, T={T}, K={K}, {len(chunks)} row chunks, {pairs} valid (row, slot) pairs")
     log("| part | ms | TFLOP | TFLOP/s (/782) |")
     log("|---|---|---|---|")
     for name, fn, flop in (("materialise the slots", slots, 0.0), ("teacher LSE (Gluon)", lse, teacher),
                            ("teacher mass (Gluon)", teacher_mass, teacher),
-                           ("KL forward kernel, mass given", kl_forward, student),
-                           ("KL backward kernel, dKL/dI given", kl_backward, 3 * student),
-                           ("op forward", fwd, 2 * teacher + student),
-                           ("op forward + backward", fwd_bwd, 3 * teacher + 5 * student)):
+                           ("student logits (indexer score kernel)", student, student_flop),
+                           ("KL forward, mass given (logits + KL kernel)", kl_forward, student_flop),
+                           ("KL backward kernel, dKL/dI given", kl_backward, 3 * student_flop),
+                           ("op forward", fwd, 2 * teacher + student_flop),
+                           ("op forward + backward", fwd_bwd, 3 * teacher + 5 * student_flop)):
         ms = time_ms(fn)
         rate = f"{flop / ms / 1e9:.0f} ({flop / ms / 1e9 / MATMUL_PEAK_TFLOPS:.2f})" if flop else "-"
         log(f"| {name} | {ms:.3f} | {flop / 1e12:.2f} | {rate} |")

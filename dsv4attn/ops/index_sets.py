@@ -190,15 +190,31 @@ def contiguous_ranges(candidates: IndexSet):
     return first.contiguous(), visible.contiguous(), table, int(shift)
 
 
+def range_part_starts(candidates: IndexSet) -> list[int]:
+    """The rows after 0 where the leaf parts of a :class:`Stack` begin (``[]`` for any other set). Inside one leaf the
+    rows are one layout's rows in order, so a block of neighbouring rows spans a short stretch of entries (what the
+    indexer's score kernels assume); across leaves (a context-parallel rank's two segments) it need not."""
+    if not isinstance(candidates, Stack):
+        return []
+    starts, offset = [], 0
+    for part in candidates.parts:
+        if offset:
+            starts.append(offset)
+        starts += [offset + s for s in range_part_starts(part)]
+        offset += part.total_rows
+    return starts
+
+
 def range_rows(first: torch.Tensor, visible: torch.Tensor, table: torch.Tensor | None, shift: int, width: int,
-               start: int, end: int) -> torch.Tensor:
-    """(end - start, width) int64: rows ``start .. end - 1`` of the set that :func:`contiguous_ranges` described,
-    ``map(first[t] + j)`` for ``j < visible[t]`` and -1 elsewhere (what that set's own ``rows`` gives)."""
-    j = torch.arange(width, device=first.device)
-    entry = first[start:end, None] + j
+               start: int, end: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """(end - start, width) ``dtype``: rows ``start .. end - 1`` of the set that :func:`contiguous_ranges` described,
+    ``map(first[t] + j)`` for ``j < visible[t]`` and -1 elsewhere (what that set's own ``rows`` gives). The work is
+    done in ``dtype`` (int32 halves the bytes of every pass; entries and rows fit it)."""
+    j = torch.arange(width, device=first.device, dtype=dtype)
+    entry = first[start:end, None].to(dtype) + j
     valid = j[None, :] < visible[start:end, None]
     if table is not None:
-        entry = table[torch.where(valid, entry, 0)].long()
+        entry = table[torch.where(valid, entry, 0)].to(dtype)
     return torch.where(valid, entry + shift, -1)
 
 

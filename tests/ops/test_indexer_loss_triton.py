@@ -311,8 +311,13 @@ def _gluon_teacher_check(klt) -> dict:
         full = full_lse.double().masked_fill(full_lse == float("-inf"), 0.0)   # such heads have only -inf logits
         return torch.where(valid, torch.exp(s - full[..., None]).sum(1), 0.0).float().contiguous()
 
-    calls = {"lse": 0, "mass": 0}
+    calls = {"lse": 0, "mass": 0, "scores": 0}
     fail = {"lse": None, "mass": None}
+    real_scores = klt.indexer_triton._score_orders
+
+    def counted_scores(*a, **k):                           # the indexer's score kernels (not stubbed: they run)
+        calls["scores"] += 1
+        return real_scores(*a, **k)
 
     def stub(name, fn):
         def run(*a, **k):
@@ -322,7 +327,8 @@ def _gluon_teacher_check(klt) -> dict:
             return fn(*a, **k)
         return run
 
-    real = klt._gluon_teacher, gluon_hopper.teacher_lse, gluon_hopper.teacher_mass, klt.INDEX_BUDGET
+    real = (klt._gluon_teacher, gluon_hopper.teacher_lse, gluon_hopper.teacher_mass, klt.INDEX_BUDGET,
+            klt.indexer_triton._score_orders)
     c = CASES["bf16-visible-multi-block-recompute-chunks"]
     inputs = _inputs(c, 23)
     exact = _run(indexer_kl_reference, inputs, widen=True)
@@ -352,13 +358,15 @@ def _gluon_teacher_check(klt) -> dict:
     plain = kernel(save_g=False)                                # the two-pass form (no SM90 here)
     klt._gluon_teacher = lambda qm, K: not variants.FAILED          # as on SM90: until a build failure is recorded
     gluon_hopper.teacher_lse, gluon_hopper.teacher_mass = stub("lse", teacher_lse), stub("mass", teacher_mass)
+    klt.indexer_triton._score_orders = counted_scores
     try:
-        chunks = len(list(klt.chunk_rows(inputs[0].shape[0], inputs[6].width, budget=klt.INDEX_BUDGET)))
+        bounds = list(klt.chunk_rows(inputs[0].shape[0], inputs[6].width, budget=klt.INDEX_BUDGET))
+        chunks = len(bounds)
         for save_g in (True, False):
-            calls.update(lse=0, mass=0)
+            calls.update(lse=0, mass=0, scores=0)
             lazy = kernel(save_g)
             out[f"stubbed-save-{save_g}"] = _compare(lazy, low, exact)
-            out[f"calls-save-{save_g}"] = [calls["lse"], calls["mass"], chunks]
+            out[f"calls-save-{save_g}"] = [calls["lse"], calls["mass"], chunks, calls["scores"]]
             calls.update(lse=0, mass=0)
             op = kernel(save_g, explicit)
             out[f"op-save-{save_g}"] = dict(equals_lazy=all(torch.equal(a, b) for a, b in zip(op, lazy)),
@@ -370,6 +378,20 @@ def _gluon_teacher_check(klt) -> dict:
             out[f"full-save-{save_g}"] = dict(
                 equals_lazy=all(torch.equal(a, b) for a, b in zip(op_full, lazy_full)),
                 mass_calls=[lazy_calls, calls["mass"] - lazy_calls], bounds=_compare(lazy_full, low, exact))
+        # A context-parallel rank's two segments (a Stack of Rows views with a table and shift): the score kernels
+        # take each part on its own, so a chunk holding the parts' boundary makes two calls.
+        stacked = dict(_range_sets(inputs, torch.Generator().manual_seed(7)))["rank-view"]
+        split = stacked[6].parts[0].total_rows
+        stacked_explicit = list(stacked)
+        stacked_explicit[6] = Explicit(stacked[6].materialize())
+        calls.update(scores=0)
+        lazy_stack = kernel(True, stacked)
+        out["stack"] = dict(
+            scores_calls=calls["scores"],
+            expected=chunks + sum(1 for s, e in bounds if s < split < e),
+            equals_explicit=all(torch.equal(a, b) for a, b in zip(lazy_stack, kernel(True, stacked_explicit))),
+            bounds=_compare(lazy_stack, _run(indexer_kl_reference, stacked),
+                            _run(indexer_kl_reference, stacked, widen=True)))
         variants.FAILED.clear()
         fail["lse"] = PTXASError("cannot build")
         with warnings.catch_warnings(record=True) as caught:
@@ -412,7 +434,8 @@ def _gluon_teacher_check(klt) -> dict:
             out["triton_error_propagates"] = "a Triton KL kernel" in str(exc) and not variants.FAILED
         klt._launch = real_launch
     finally:
-        klt._gluon_teacher, gluon_hopper.teacher_lse, gluon_hopper.teacher_mass, klt.INDEX_BUDGET = real
+        (klt._gluon_teacher, gluon_hopper.teacher_lse, gluon_hopper.teacher_mass, klt.INDEX_BUDGET,
+         klt.indexer_triton._score_orders) = real
         variants.FAILED.clear()
     return out
 
@@ -621,14 +644,25 @@ def test_gluon_teacher_dataflow_matches_float64(interpreted, save_g):
     once per chunk in the forward and, without a saved dKL/dI, once more in the backward."""
     m = interpreted["gluon_teacher"]
     _assert_within_bounds(f"gluon-teacher-save-{save_g}", m[f"stubbed-save-{save_g}"], low_precision=True)
-    lse, mass, chunks = m[f"calls-save-{save_g}"]
+    lse, mass, chunks, scores = m[f"calls-save-{save_g}"]
     assert chunks > 1 and lse == chunks and mass == (chunks if save_g else 2 * chunks), (lse, mass, chunks)
+    # The student's logits come from the indexer's score kernels, per chunk, as the mass does.
+    assert scores == mass, (scores, mass)
     # The registered ops (materialised candidates, what torch.compile runs) take the same path in the same chunks.
     assert m[f"op-save-{save_g}"] == dict(equals_lazy=True, calls=[lse, mass]), m[f"op-save-{save_g}"]
     # The full-denominator form (full_lse given): the mass per chunk, in both paths alike.
     full = m[f"full-save-{save_g}"]
     assert full["equals_lazy"] and full["mass_calls"] == [mass] * 2, full
     _assert_within_bounds(f"gluon-teacher-full-save-{save_g}", full["bounds"], low_precision=True)
+
+
+def test_gluon_teacher_student_scores_per_stack_part(interpreted):
+    """On the Gluon teacher's path the student's logits come from the indexer's score kernels, which assume
+    neighbouring rows of one layout: a Stack's parts (a context-parallel rank's segments) go to them one by one,
+    and the result is that of the materialised candidates (the KL kernel's own dots), within the bounds."""
+    m = interpreted["gluon_teacher"]["stack"]
+    assert m["scores_calls"] == m["expected"] and m["equals_explicit"], m
+    _assert_within_bounds("gluon-teacher-stack", m["bounds"], low_precision=True)
 
 
 @pytest.mark.parametrize("check", ["forward_fallback", "backward_fallback", "bug_propagates",
@@ -803,6 +837,46 @@ def test_gpu_compile_fullgraph_and_cuda_graph_match_eager():
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, want)
+
+
+@GPU
+@pytest.mark.parametrize("save_g", [True, False], ids=["saved", "mass-again-in-backward"])
+def test_gpu_warmup_stack_of_far_apart_segments(save_g, monkeypatch):
+    """A context-parallel rank's warm-up candidates: a Stack of two Rows views of one pack of 16 documents of 256
+    rows, the first document's early rows and the last one's (960 entries further on). The indexer's score kernels
+    assume neighbouring rows a short stretch of entries apart (a 64-row block spans at most 2 x 64 + 64 of them
+    here); a block across the parts spans ~990, so the parts must reach them one by one (on SM90, where the Gluon
+    teacher takes the student's logits from them; elsewhere the two-pass form runs). Bounds as in the other GPU
+    cases."""
+    import dsv4attn
+    from dsv4attn.ops.index_sets import Rows, Stack, VisibleCompressed
+    from dsv4attn.ops.indexer_loss import triton as klt
+    from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
+
+    T, device = 4096, "cuda"
+    cu = torch.arange(0, T + 1, 256, dtype=torch.int32, device=device)
+    lay = dsv4attn.pack_batch(cu, T, 256).compressed(4)
+    base = VisibleCompressed(lay, T)
+    rows = torch.cat([torch.arange(0, 100), torch.arange(3850, 3950)]).to(device)
+    cand = Stack(Rows(base, 0, 100), Rows(base, 3850, 100))
+    gen = torch.Generator(device=device).manual_seed(3)
+
+    def randn(*shape, std=1.0):
+        return (std * torch.randn(*shape, device=device, generator=gen)).to(torch.bfloat16)
+    Nc = lay.capacity
+    inputs = (randn(T, 64, 128)[rows], randn(Nc, 128), randn(T, 64, std=64 ** -0.5 * 128 ** -0.5)[rows],
+              randn(T, 64, 512)[rows], randn(Nc, 512), (torch.randn(T, 64, device=device, generator=gen) + 2.0)[rows],
+              cand, torch.rand(200, device=device, generator=gen, dtype=torch.float64) + 0.5)
+    monkeypatch.setattr(klt, "SAVE_G_MAX_WIDTH", klt.SAVE_G_MAX_WIDTH if save_g else -1)
+    calls = []
+    real = klt.indexer_triton._score_orders
+    monkeypatch.setattr(klt.indexer_triton, "_score_orders", lambda *a, **k: calls.append(a[0].shape[0]) or
+                        real(*a, **k))
+    kernel = _run(klt.indexer_kl_triton, inputs)
+    if klt._gluon_teacher(inputs[3], cand.width):
+        assert calls[:2] == [100, 100], calls
+    measured = _compare(kernel, _run(indexer_kl_reference, inputs), _run(indexer_kl_reference, inputs, widen=True))
+    _assert_within_bounds(f"warmup-stack-save-{save_g}", measured, low_precision=True)
 
 
 def test_gluon_teacher_dispatch(monkeypatch):

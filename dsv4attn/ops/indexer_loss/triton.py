@@ -29,8 +29,11 @@ the KL terms with the LSE and Z known; on SM90 mass(j) can come from a Gluon ker
 warm-up's every visible entry) ``gluon_hopper.teacher_lse`` forms each head's LSE over the candidates, ``logaddexp``
 with ``outside_lse`` gives L_h, and ``teacher_mass`` the mass; with ``full`` only the mass. The full-denominator form
 then runs on them (tensor cores for the H x D teacher logits instead of the two-pass form's two Triton passes: 457 ->
-241 ms for a warm-up CSA layer at 32K, BENCHMARKS.md). Rows too wide to save dKL/dI form the mass again per chunk in
-the backward (then dKL/dI from the forward kernel, then the saved-gradient backward), whichever form the forward ran.
+241 ms for a warm-up CSA layer at 32K, BENCHMARKS.md). Through the ranges ops (the warm-up) the student's logits
+come from the indexer's score kernel (:class:`StudentRanges`; its int32 orders, decoded by the KL kernel as it loads
+them, ``SCORE_ORDERS``) instead of the KL kernel's per-row dots. Rows too wide to save dKL/dI form the mass (and those
+logits) again per chunk in the backward (then dKL/dI from the forward kernel, then the saved-gradient backward),
+whichever form the forward ran.
 Only a Gluon kernel's own error falls back to the Triton teacher (a build failure warns once; other errors
 propagate); an error of the Triton KL kernels is never taken for one.
 
@@ -71,7 +74,7 @@ of the same size, so they give the same bits. The kernels need a CUDA device, or
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -81,7 +84,8 @@ from ..gluon_common import sm90
 from ..sparse_attention import gluon_hopper
 from . import gluon_hopper as gluon_kl
 from ..triton_common import dot, dot_mode, launch_fitting, round_to
-from ..index_sets import Explicit, IndexSet, chunk_rows, contiguous_ranges, range_rows, row_ends
+from ..index_sets import Explicit, IndexSet, chunk_rows, contiguous_ranges, range_part_starts, range_rows, row_ends
+from ..indexer import triton as indexer_triton
 from .reference import FLT_MIN, indexer_kl_reference
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -194,6 +198,18 @@ def _student_block(QI, KI, W, IDX, t, K, start, Hi: tl.constexpr, Di: tl.constex
 
 
 @triton.jit
+def _given_scores2(G, t, K, n, valid, SCORE_ORDERS: tl.constexpr):
+    """log2(e) I(j) of slots n as given in G (-inf where empty): the fp32 values themselves, or with SCORE_ORDERS
+    the indexer score kernel's int32 orders of I(j) (the fp32 bits with the low 31 bits of negatives flipped; a NaN
+    was written as the largest order and reads back as a NaN)."""
+    if SCORE_ORDERS:
+        order = tl.load(G + t * K + n, mask=valid, other=0.0).to(tl.int32, bitcast=True)
+        score = tl.where(order >= 0, order, order ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        return tl.where(valid, score * 1.4426950408889634, float("-inf"))
+    return tl.load(G + t * K + n, mask=valid, other=float("-inf"))
+
+
+@triton.jit
 def _lane_lse_update(m_v, l_v, score2):
     """One block of the per-lane online LSE (log2 domain) of the student scores."""
     v_new = tl.maximum(m_v, score2)
@@ -237,7 +253,7 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
                                  BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr,
                                  BLOCK_DI: tl.constexpr, BLOCK_D: tl.constexpr, SAVE_G: tl.constexpr,
                                  DOT_T: tl.constexpr, DOT_S: tl.constexpr, MASS_GIVEN: tl.constexpr,
-                                 SCORES_GIVEN: tl.constexpr):
+                                 SCORES_GIVEN: tl.constexpr, SCORE_ORDERS: tl.constexpr):
     """One row when each head's full denominator L_h is given (the main attention's logaddexp(lse, sink) when S_t
     is exactly its compressed candidates): one pass forming the student scores I(j) with their online LSE and the
     teacher mass m(j) = sum_h exp(s_h(j) - L_h) with Z = sum_j m(j), storing m(j) to MASS and log2(e) I(j) to G
@@ -245,7 +261,8 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
     KL = sum_j T (ln T - ln Q), T = m / Zf, Zf = max(Z, FLT_MIN), term by term as in the two-pass form (the
     one-pass identity (sum m ln m - sum m ln Q) / Zf - ln Zf cancels terms ~20x larger than KL in fp32), and with
     SAVE_G dKL/dI = Q (Z/Zf) - T in place of I. MASS_GIVEN: m(j) was formed beforehand (the Gluon teacher-mass kernel).
-    SCORES_GIVEN: G already holds log2(e) I(j) (the top-k's scores), so no indexer key is read here.
+    SCORES_GIVEN: G already holds log2(e) I(j) (the top-k's scores), or with SCORE_ORDERS the indexer score
+    kernel's orders of I(j) (the warm-up on SM90), so no indexer key is read here.
     Returns (kl, log2 of the student LSE, Zf, Z/Zf)."""
     n_end = tl.load(NEND + t)
     offs_h = tl.arange(0, BLOCK_HT)
@@ -258,7 +275,7 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
         if start < n_end:
             if SCORES_GIVEN:
                 n, valid, rows = _load_slots(IDX, t, K, start, BLOCK_N)
-                score2 = tl.load(G + t * K + n, mask=valid, other=float("-inf"))
+                score2 = _given_scores2(G, t, K, n, valid, SCORE_ORDERS)
             else:
                 n, valid, rows, score2 = _student_block(QI, KI, W, IDX, t, K, start, Hi, Di, BLOCK_N, BLOCK_HI,
                                                         BLOCK_DI, DOT_S)
@@ -280,7 +297,7 @@ def _full_denominator_given_pass(QI, KI, W, Q, CKV, FULL_LSE, IDX, NEND, FULL2, 
     for start in range(0, K, BLOCK_N):
         if start < n_end:
             n, valid, _ = _load_slots(IDX, t, K, start, BLOCK_N)
-            score2 = tl.load(G + t * K + n, mask=valid, other=float("-inf"))
+            score2 = _given_scores2(G, t, K, n, valid, SCORE_ORDERS)
             mass = tl.load(MASS + t * K + n, mask=valid, other=0.0)
             terms, d_score = _kl_terms(mass, score2, valid, lse_i2, z_floor, sum_t)
             kl_acc += terms
@@ -301,7 +318,7 @@ def _indexer_kl_fwd_kernel(
     BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
     BLOCK_D: tl.constexpr, SAVE_G: tl.constexpr, DOT_T: tl.constexpr,
     DOT_S: tl.constexpr, FULL: tl.constexpr = False, MASS_GIVEN: tl.constexpr = False,
-    SCORES_GIVEN: tl.constexpr = False,
+    SCORES_GIVEN: tl.constexpr = False, SCORE_ORDERS: tl.constexpr = False,
 ):
     # FULL2 (rows, H): each head's full denominator, the natural-log L (both forms). ROWSTAT (rows, 3):
     # log2 of the student's LSE, max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; slots past NEND, the
@@ -309,12 +326,13 @@ def _indexer_kl_fwd_kernel(
     # FULL: OUTSIDE holds each head's full denominator L itself (natural log), so the teacher logits are formed
     # once (see _full_denominator_given_pass); MASS (rows, K) fp32 holds the teacher mass (scratch, or formed
     # beforehand with MASS_GIVEN) and G is scratch for the student scores even without SAVE_G (given beforehand,
-    # log2(e) I(j), with SCORES_GIVEN).
+    # log2(e) I(j), with SCORES_GIVEN; their int32 orders from the indexer score kernel with SCORE_ORDERS).
     t = tl.program_id(0).to(tl.int64)
     if FULL:
         kl, lse_i2, z_floor, sum_t = _full_denominator_given_pass(
             QI, KI, W, Q, CKV, OUTSIDE, IDX, NEND, FULL2, G, MASS, t, K, qk_scale, flt_min, H, D, Hi, Di,
-            BLOCK_N, BLOCK_HT, BLOCK_HI, BLOCK_DI, BLOCK_D, SAVE_G, DOT_T, DOT_S, MASS_GIVEN, SCORES_GIVEN)
+            BLOCK_N, BLOCK_HT, BLOCK_HI, BLOCK_DI, BLOCK_D, SAVE_G, DOT_T, DOT_S, MASS_GIVEN, SCORES_GIVEN,
+            SCORE_ORDERS)
     else:
         # Pass 1: online per-head LSE of the teacher logits (all heads in one tile: BLOCK_HT >= H) and per-lane
         # online LSE of the student scores. Blocks past the row's last valid slot are skipped.
@@ -460,9 +478,41 @@ def _range_chunks(first: torch.Tensor, visible: torch.Tensor, table: torch.Tenso
     """``(start, end, idx (rows, width) int32, n_end (rows,) int32)`` of each chunk of query rows (:data:`INDEX_BUDGET`
     slots each) of the ranges ``(first, visible, table, shift)`` (``index_sets.contiguous_ranges``), materialised one
     chunk at a time."""
+    n_end = visible.to(torch.int32)          # a range's slots are all valid: it ends at its count
     for s, e in chunk_rows(first.shape[0], width, budget=INDEX_BUDGET):
-        idx = range_rows(first, visible, table, shift, width, s, e).to(torch.int32)
-        yield s, e, idx, row_ends(idx)
+        yield s, e, range_rows(first, visible, table, shift, width, s, e, dtype=torch.int32), n_end[s:e]
+
+
+class StudentRanges(NamedTuple):
+    """The candidates of :func:`_range_chunks` again, for the student's logits: on the Gluon teacher's path the
+    forward kernel reads I(j) as the indexer's score kernel writes them (``indexer.triton._score_orders``: the
+    Gluon kernel on SM90 at ~0.6 of the matmul peak, against the KL kernel's own per-row dots at ~0.1, BENCHMARKS.md)
+    instead of forming them. ``starts``: the rows after 0 where a Stack's parts begin (``range_part_starts``): the
+    score kernels take each part on its own."""
+    first: torch.Tensor
+    visible: torch.Tensor
+    table: Optional[torch.Tensor]
+    shift: int
+    starts: tuple
+
+    def rows(self, s: int, e: int) -> "StudentRanges":
+        """Rows s .. e - 1, as ranges of their own (part starts counted from s)."""
+        return StudentRanges(self.first[s:e], self.visible[s:e], self.table, self.shift,
+                             tuple(p - s for p in self.starts if s < p < e))
+
+
+def _student_ranges(first, visible, table, shift: int, parts) -> StudentRanges:
+    return StudentRanges(first.contiguous(), visible.contiguous(), None if table is None else table.contiguous(),
+                         shift, tuple(parts or ()))
+
+
+def _student_orders(qi, ki, w, ranges: StudentRanges, K: int, out: torch.Tensor) -> None:
+    """The indexer score kernel's int32 orders of I(j) for the rows of ``qi`` (those of ``ranges``) into ``out``
+    (rows, K) int32, where ``j < visible``: part by part (:class:`StudentRanges`). ``w`` fp32 (rows, Hi)."""
+    cuts = (0, *ranges.starts, qi.shape[0])
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        indexer_triton._score_orders(qi[a:b], ki, w[a:b], ranges.first[a:b], ranges.visible[a:b], ranges.table,
+                                     ranges.shift, K, indexer_triton.CONFIG, out=out[a:b])
 
 
 def _common_dtype(a: torch.Tensor, b: torch.Tensor):
@@ -486,14 +536,18 @@ def _split_launch(config: dict) -> tuple[dict, dict]:
 
 
 def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict, full: bool = False,
-                mass: torch.Tensor | None = None, scores: torch.Tensor | None = None, gluon_teacher: bool = False):
+                mass: torch.Tensor | None = None, scores: torch.Tensor | None = None, gluon_teacher: bool = False,
+                ranges: StudentRanges | None = None):
     """The forward kernel over ``chunks``, ``(start, end, idx (rows, K) int32, n_end (rows,) int32)`` each;
     ``full``: ``outside_lse`` holds each head's full denominator (see :func:`indexer_kl_triton`); ``mass``: with
     ``full``, the teacher mass (T, K) fp32 formed beforehand; ``scores``: with ``full``, the student logits I(j)
     (T, K) formed beforehand (the top-k's). ``gluon_teacher``: the Gluon teacher kernels form each chunk's teacher
     mass (with ``full``) or its full denominators and mass (without: :func:`_gluon_full_and_mass`), then the kernel
-    runs the full-denominator form on them. ``full2`` holds each head's natural-log L in every form. A Gluon
-    kernel's error is raised as :class:`GluonTeacherFailed` (its cause).
+    runs the full-denominator form on them. ``ranges``: the chunks' candidates as ranges (given on the Gluon
+    teacher's path of the ranges ops): the full form then reads the student logits from the indexer's score kernel
+    (:class:`StudentRanges`). ``full2`` holds
+    each head's natural-log L in every form. A Gluon kernel's error is raised as :class:`GluonTeacherFailed` (its
+    cause).
 
     Returns kl (T,), full2 (T, H), rowstat (T, 3) and G (T, K) (None unless ``save_g``), all fp32.
     """
@@ -520,12 +574,17 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
         return scratch[name][:e - s]
     cfg, launch = _split_launch(config)
     scores_given = full and scores is not None
+    orders = ranges is not None and (full or gluon_teacher) and not scores_given
+    w32 = w.float().contiguous() if orders else None
     meta = dict(_fwd_meta(H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype),
-                FULL=full or gluon_teacher, MASS_GIVEN=mass_given or gluon_teacher, SCORES_GIVEN=scores_given)
+                FULL=full or gluon_teacher, MASS_GIVEN=mass_given or gluon_teacher,
+                SCORES_GIVEN=scores_given or orders, SCORE_ORDERS=orders)
     for s, e, idx, n_end in chunks:
         g_rows = rows_of("g", g_buf, s, e) if full or save_g or gluon_teacher else kl
         if scores_given:     # log2(e) I(j) where the kernel reads them; 0 at empty slots, as if never written
             g_rows.copy_(scores[s:e]).mul_(1.4426950408889634).masked_fill_(idx < 0, 0.0)     # in place, no temporary
+        elif orders:         # the kernel reads them where j < visible, which the score kernel writes
+            _student_orders(qi[s:e], ki, w32[s:e], ranges.rows(s, e), K, g_rows.view(torch.int32))
         if gluon_teacher:
             try:
                 if full:
@@ -607,7 +666,7 @@ def _gluon_teacher(qm: torch.Tensor, K: int) -> bool:
 
 
 def _backward_from_saved(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale: float, config: dict,
-                         bwd_config: dict):
+                         bwd_config: dict, ranges: StudentRanges | None = None):
     """The backward from the forward's saved state, whichever form the forward ran (both save the natural-log L):
     with a saved dKL/dI its backward kernels; without, on SM90 the Gluon teacher per chunk
     (:func:`_kl_backward_gluon_teacher`), elsewhere (or if a Gluon teacher kernel cannot be built) the Triton kernel
@@ -615,7 +674,8 @@ def _backward_from_saved(grad_kl, operands, full2, rowstat, g_buf, chunks, K: in
     :func:`_kl_backward`."""
     if g_buf is None and _gluon_teacher(operands[3], K):
         try:
-            return _kl_backward_gluon_teacher(grad_kl, operands, full2, chunks(), K, scale, config, bwd_config)
+            return _kl_backward_gluon_teacher(grad_kl, operands, full2, chunks(), K, scale, config, bwd_config,
+                                              ranges)
         except GluonTeacherFailed as failed:
             _note_teacher_failure(failed, operands[3])
     return _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks(), K, scale, bwd_config)
@@ -635,7 +695,7 @@ def _row_chunks(idx: torch.Tensor, n_end: torch.Tensor):
 
 
 def _teacher_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict, full: bool,
-                     scores: torch.Tensor | None = None):
+                     scores: torch.Tensor | None = None, ranges: StudentRanges | None = None):
     """The forward of both op pairs: on SM90 the Gluon teacher kernels form
     each chunk's teacher mass (``full``) or full denominators and mass (the outside-mass form: the warm-up), and the
     full form runs on them; elsewhere, or if a Gluon teacher kernel cannot be built, the Triton kernel forms the
@@ -645,7 +705,7 @@ def _teacher_forward(operands, outside_lse, chunks, K: int, scale: float, save_g
     if _gluon_teacher(qm, K):
         try:
             return _kl_forward(operands, outside_lse, chunks(), K, scale, save_g, config, full, scores=scores,
-                               gluon_teacher=True)
+                               gluon_teacher=True, ranges=ranges)
         except GluonTeacherFailed as failed:
             _note_teacher_failure(failed, qm)
     return _kl_forward(operands, outside_lse, chunks(), K, scale, save_g, config, full, scores=scores)
@@ -653,13 +713,13 @@ def _teacher_forward(operands, outside_lse, chunks, K: int, scale: float, save_g
 
 # ------------------------------------------------------------------------------------------- the custom ops
 def _forward_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, chunks, K: int, scale: float,
-                save_g: bool, fwd_tiles: list[int], full: bool, student_scores=None):
-    """The body of both forward ops: ``chunks()`` gives the row chunks. Returns kl, full2, rowstat and G ((0, K)
-    unless ``save_g``)."""
+                save_g: bool, fwd_tiles: list[int], full: bool, student_scores=None, ranges=None):
+    """The body of both forward ops: ``chunks()`` gives the row chunks; ``ranges`` (the ranges op): the candidates
+    as :class:`StudentRanges`. Returns kl, full2, rowstat and G ((0, K) unless ``save_g``)."""
     operands = _operands(index_q, index_k, index_weights, q, compressed_kv)
     with backend.exact_math(index_q.device):
         kl, full2, rowstat, g_buf = _teacher_forward(operands, outside_lse, chunks, K, scale, save_g,
-                                                     dict(zip(FWD_KEYS, fwd_tiles)), full, student_scores)
+                                                     dict(zip(FWD_KEYS, fwd_tiles)), full, student_scores, ranges)
     return kl, full2, rowstat, (kl.new_empty(0, K) if g_buf is None else g_buf)
 
 
@@ -670,7 +730,7 @@ def _forward_fake(index_q, q, K: int, save_g: bool):
 
 
 def _backward_op(grad_kl, index_q, index_k, index_weights, q, compressed_kv, full2, rowstat, g, chunks, K: int,
-                 scale: float, bwd_tiles: list[int], fwd_tiles: Optional[list[int]]):
+                 scale: float, bwd_tiles: list[int], fwd_tiles: Optional[list[int]], ranges=None):
     """The body of both backward ops: ``g`` with T rows is the saved dKL/dI; with 0 rows the teacher is formed again
     (:func:`_backward_from_saved`; the forward's config ``fwd_tiles``, default :data:`FWD_CONFIG`, serves the Gluon
     teacher path's dKL/dI). d index_k is accumulated with fp32 atomics (its last bits vary from run to run on a
@@ -679,7 +739,7 @@ def _backward_op(grad_kl, index_q, index_k, index_weights, q, compressed_kv, ful
         d_qi, d_ki, d_w = _backward_from_saved(
             grad_kl, _operands(index_q, index_k, index_weights, q, compressed_kv), full2, rowstat,
             g if g.shape[0] == index_q.shape[0] else None, chunks, K, scale,
-            dict(zip(FWD_KEYS, fwd_tiles)) if fwd_tiles is not None else FWD_CONFIG, _bwd_config(bwd_tiles))
+            dict(zip(FWD_KEYS, fwd_tiles)) if fwd_tiles is not None else FWD_CONFIG, _bwd_config(bwd_tiles), ranges)
     return d_qi.to(index_q.dtype), d_ki[:index_k.shape[0]].to(index_k.dtype), d_w.to(index_weights.dtype)
 
 
@@ -767,20 +827,23 @@ indexer_kl_op.register_autograd(_backward, setup_context=_setup_context)
 def indexer_kl_ranges_op(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
                          compressed_kv: torch.Tensor, outside_lse: torch.Tensor, first: torch.Tensor,
                          visible: torch.Tensor, table: Optional[torch.Tensor], shift: int, width: int, scale: float,
-                         save_g: bool, fwd_tiles: list[int], bwd_tiles: list[int], full: bool = False
+                         save_g: bool, fwd_tiles: list[int], bwd_tiles: list[int], full: bool = False,
+                         parts: Optional[list[int]] = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward of :func:`indexer_kl_triton` for the candidates ``map(first[t] + j), j < visible[t]`` of each row,
     ``width`` (>= 1) slots wide (``index_sets.contiguous_ranges``: ``first``, ``visible`` (T,) int, ``table`` None or
-    the entry -> row map, ``shift``). Returns kl, full2, rowstat and G as :func:`indexer_kl_op` (no row ends: the
-    backward materialises the slots again from the ranges, one chunk at a time)."""
+    the entry -> row map, ``shift``). ``parts``: the rows after 0 where a Stack's parts begin
+    (``index_sets.range_part_starts``; None or [] for one set). Returns kl, full2, rowstat and G as
+    :func:`indexer_kl_op` (no row ends: the backward materialises the slots again from the ranges, one chunk at a
+    time)."""
     return _forward_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse,
                        lambda: _range_chunks(first, visible, table, shift, width), width, scale, save_g, fwd_tiles,
-                       full)
+                       full, ranges=_student_ranges(first, visible, table, shift, parts))
 
 
 @indexer_kl_ranges_op.register_fake
 def _indexer_kl_ranges_fake(index_q, index_k, index_weights, q, compressed_kv, outside_lse, first, visible, table,
-                            shift, width, scale, save_g, fwd_tiles, bwd_tiles, full=False):
+                            shift, width, scale, save_g, fwd_tiles, bwd_tiles, full=False, parts=None):
     return _forward_fake(index_q, q, width, save_g)
 
 
@@ -789,46 +852,49 @@ def indexer_kl_ranges_backward_op(grad_kl: torch.Tensor, index_q: torch.Tensor, 
                                   index_weights: torch.Tensor, q: torch.Tensor, compressed_kv: torch.Tensor,
                                   first: torch.Tensor, visible: torch.Tensor, table: Optional[torch.Tensor],
                                   full2: torch.Tensor, rowstat: torch.Tensor, g: torch.Tensor, shift: int, width: int,
-                                  scale: float, fwd_tiles: list[int], bwd_tiles: list[int]
+                                  scale: float, fwd_tiles: list[int], bwd_tiles: list[int],
+                                  parts: Optional[list[int]] = None
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """d index_q, d index_k, d index_weights (in their own dtypes) from :func:`indexer_kl_ranges_op`'s saved state
     (:func:`_backward_op`)."""
     return _backward_op(grad_kl, index_q, index_k, index_weights, q, compressed_kv, full2, rowstat, g,
                         lambda: _range_chunks(first, visible, table, shift, width), width, scale, bwd_tiles,
-                        fwd_tiles)
+                        fwd_tiles, ranges=_student_ranges(first, visible, table, shift, parts))
 
 
 @indexer_kl_ranges_backward_op.register_fake
 def _indexer_kl_ranges_backward_fake(grad_kl, index_q, index_k, index_weights, q, compressed_kv, first, visible,
-                                     table, full2, rowstat, g, shift, width, scale, fwd_tiles, bwd_tiles):
+                                     table, full2, rowstat, g, shift, width, scale, fwd_tiles, bwd_tiles, parts=None):
     return _backward_fake(index_q, index_k, index_weights)
 
 
 def _setup_ranges_context(ctx, inputs, output):
     (index_q, index_k, index_weights, q, compressed_kv, _, first, visible, table, shift, width, scale, _, fwd_tiles,
-     bwd_tiles, _) = inputs
+     bwd_tiles, _, parts) = inputs
     _, full2, rowstat, g = output
     ctx.save_for_backward(index_q, index_k, index_weights, q, compressed_kv, first, visible, table, full2, rowstat,
                           g)
     ctx.shift, ctx.width, ctx.scale, ctx.fwd_tiles, ctx.bwd_tiles = shift, width, scale, fwd_tiles, bwd_tiles
+    ctx.parts = parts
     ctx.mark_non_differentiable(full2, rowstat, g)
 
 
 def _ranges_backward(ctx, grad_kl, *_grad_state):
     d_qi, d_ki, d_w = indexer_kl_ranges_backward_op(_zero_grad_if_none(grad_kl, ctx.saved_tensors[0]),
                                                     *ctx.saved_tensors, ctx.shift, ctx.width, ctx.scale,
-                                                    ctx.fwd_tiles, ctx.bwd_tiles)
-    return (d_qi, d_ki, d_w) + (None,) * 13
+                                                    ctx.fwd_tiles, ctx.bwd_tiles, ctx.parts)
+    return (d_qi, d_ki, d_w) + (None,) * 14
 
 
 indexer_kl_ranges_op.register_autograd(_ranges_backward, setup_context=_setup_ranges_context)
 
 
 def _kl_backward_gluon_teacher(grad_kl, operands, full_lse, chunks, K: int, scale: float, config: dict,
-                               bwd_config: dict):
+                               bwd_config: dict, ranges: StudentRanges | None = None):
     """The backward without a saved dKL/dI, on the Gluon teacher kernels: per chunk the teacher mass again
     (Gluon, from the saved full denominators ``full_lse``, natural log), dKL/dI from the forward kernel (full form,
-    mass given, the student's dots formed again), then the backward kernels with it. Memory: one chunk's (rows, K)
+    mass given, the student's logits formed again: by the indexer's score kernel with ``ranges``), then the
+    backward kernels with it. Memory: one chunk's (rows, K)
     mass and dKL/dI. Same returns as :func:`_kl_backward`."""
     qi, ki, w, qm, ckv = operands
     d_qi = torch.empty_like(qi)
@@ -841,7 +907,8 @@ def _kl_backward_gluon_teacher(grad_kl, operands, full_lse, chunks, K: int, scal
             mass = gluon_hopper.teacher_mass(qm[s:e], ckv, idx, full_lse[s:e], scale, n_end=n_end)
         except Exception as exc:
             raise GluonTeacherFailed() from exc
-        _, full2, rowstat, g = _kl_forward(rows, full_lse[s:e], chunk, K, scale, True, config, True, mass)
+        _, full2, rowstat, g = _kl_forward(rows, full_lse[s:e], chunk, K, scale, True, config, True, mass,
+                                           ranges=None if ranges is None else ranges.rows(s, e))
         dq, dk, dw = _kl_backward(grad_kl[s:e], rows, full2, rowstat, g, chunk, K, scale, bwd_config)
         d_qi[s:e], d_w[s:e] = dq, dw
         d_ki += dk
@@ -901,7 +968,7 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
         return indexer_kl_ranges_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, first, visible,
                                     table, shift, candidates.width, float(scale),
                                     candidates.width <= SAVE_G_MAX_WIDTH and grads, fwd_tiles, bwd_tiles,
-                                    bool(full))[0]
+                                    bool(full), range_part_starts(candidates))[0]
     if not isinstance(candidates, Explicit):   # no ranges: materialised whole, as int32 one chunk of rows at a time
         idx = torch.empty(index_q.shape[0], candidates.width, dtype=torch.int32, device=index_q.device)
         for s, e in chunk_rows(index_q.shape[0], candidates.width, budget=INDEX_BUDGET):
