@@ -4,7 +4,7 @@ import torch
 
 from dsv4attn import pack_batch
 from dsv4attn.ops.index_sets import (Concat, Explicit, Rows, Stack, VisibleCompressed, Window, contiguous_ranges,
-                                     range_rows, row_ends, within)
+                                     range_part_starts, range_rows, row_ends, within)
 
 
 def test_stack_pads_narrow_parts_and_splits_any_row_range():
@@ -83,6 +83,13 @@ def test_range_rows_rebuild_the_sets_contiguous_ranges_describe():
         for start, end in ((0, index_set.total_rows), (0, 4), (4, 11), (11, index_set.total_rows)):
             got = range_rows(first, count, tbl, shift, index_set.width, start, end)
             assert torch.equal(got, want[start:end]), (name, start, end)
+            narrow = range_rows(first, count, tbl, shift, index_set.width, start, end, dtype=torch.int32)
+            assert narrow.dtype == torch.int32 and torch.equal(narrow.long(), want[start:end]), (name, start, end)
+        # The rows where a Stack's parts begin (the score kernels take each on its own), nested Stacks flattened.
+        assert range_part_starts(index_set) == ([13] if name == "stack" else []), name
+    nested = Stack(Rows(visible, 0, 5), Stack(Rows(visible, 5, 7), Rows(visible, 20, 3)), Rows(visible, 30, 2))
+    assert range_part_starts(nested) == [5, 12, 15]
+    assert contiguous_ranges(nested)[0].shape == (17,)
     other_table = Stack(Rows(visible, 0, 13, table=table), Rows(visible, 13, 27, table=table.flip(0)))
     for index_set in (Window(pack, 5), Explicit(torch.zeros(40, 2, dtype=torch.long)), Concat(visible, visible),
                       other_table, Stack(visible, Window(pack, 5))):
