@@ -168,7 +168,8 @@ def contiguous_ranges(candidates: IndexSet):
     """``(first, visible, table, shift)`` if row t's candidates are ``map(first[t] + j), j < visible[t]`` in
     increasing j with ``map(e) = (table[e] if table is not None else e) + shift``: a :class:`VisibleCompressed`, a
     :class:`Rows` view of one, or a :class:`Stack` of such views sharing one table and shift (a context-parallel
-    rank's segments); ``None`` for other sets."""
+    rank's segments); ``None`` for other sets. The library's sets map every entry to a row >= 0 (tables hold rows,
+    shifts are >= 0): the kernels that take ranges read ``map(e)`` for every ``j < visible`` without masking."""
     if isinstance(candidates, Stack):
         parts = [contiguous_ranges(part) for part in candidates.parts]
         if not parts or any(r is None or r[2] is not parts[0][2] or r[3] != parts[0][3] for r in parts):

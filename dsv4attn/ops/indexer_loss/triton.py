@@ -69,8 +69,9 @@ compiled code alike, and CUDA graphs can capture them:
   T^2 / 4 bytes: 1 GiB at T = 32K, 64 GiB at 256K).
 
 Other lazy index sets are materialised whole and take the first pair. Both pairs run the same helpers over row chunks
-of the same size, so they give the same bits. The kernels need a CUDA device, or the CPU interpreter
-(``TRITON_INTERPRET=1``).
+of the same size; where the Gluon teacher runs, the ranges pair takes the student's logits from the indexer's score
+kernel and the other pair forms them in the KL kernel, so the two agree up to fp32 rounding (bit for bit otherwise).
+The kernels need a CUDA device, or the CPU interpreter (``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
@@ -322,7 +323,8 @@ def _indexer_kl_fwd_kernel(
 ):
     # FULL2 (rows, H): each head's full denominator, the natural-log L (both forms). ROWSTAT (rows, 3):
     # log2 of the student's LSE, max(Z, FLT_MIN), sum_j T(j). G (rows, K): dKL/dI per slot (SAVE_G; slots past NEND, the
-    # row's last valid slot + 1, are not written: the backward never reads them, the launcher zero-fills G).
+    # row's last valid slot + 1 (a range's count), are not written: the backward never reads them, the launcher
+    # zero-fills G).
     # FULL: OUTSIDE holds each head's full denominator L itself (natural log), so the teacher logits are formed
     # once (see _full_denominator_given_pass); MASS (rows, K) fp32 holds the teacher mass (scratch, or formed
     # beforehand with MASS_GIVEN) and G is scratch for the student scores even without SAVE_G (given beforehand,
@@ -486,7 +488,7 @@ def _range_chunks(first: torch.Tensor, visible: torch.Tensor, table: torch.Tenso
 class StudentRanges(NamedTuple):
     """The candidates of :func:`_range_chunks` again, for the student's logits: on the Gluon teacher's path the
     forward kernel reads I(j) as the indexer's score kernel writes them (``indexer.triton._score_orders``: the
-    Gluon kernel on SM90 at ~0.6 of the matmul peak, against the KL kernel's own per-row dots at ~0.1, BENCHMARKS.md)
+    Gluon kernel on SM90 at ~0.53 of the matmul peak, against the KL kernel's own per-row dots at ~0.10, BENCHMARKS.md)
     instead of forming them. ``starts``: the rows after 0 where a Stack's parts begin (``range_part_starts``): the
     score kernels take each part on its own."""
     first: torch.Tensor
@@ -545,9 +547,8 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     mass (with ``full``) or its full denominators and mass (without: :func:`_gluon_full_and_mass`), then the kernel
     runs the full-denominator form on them. ``ranges``: the chunks' candidates as ranges (given on the Gluon
     teacher's path of the ranges ops): the full form then reads the student logits from the indexer's score kernel
-    (:class:`StudentRanges`). ``full2`` holds
-    each head's natural-log L in every form. A Gluon kernel's error is raised as :class:`GluonTeacherFailed` (its
-    cause).
+    (:class:`StudentRanges`). ``full2`` holds each head's natural-log L in every form. A Gluon kernel's error is
+    raised as :class:`GluonTeacherFailed` (its cause).
 
     Returns kl (T,), full2 (T, H), rowstat (T, 3) and G (T, K) (None unless ``save_g``), all fp32.
     """
@@ -575,7 +576,6 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     cfg, launch = _split_launch(config)
     scores_given = full and scores is not None
     orders = ranges is not None and (full or gluon_teacher) and not scores_given
-    w32 = w.float().contiguous() if orders else None
     meta = dict(_fwd_meta(H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype),
                 FULL=full or gluon_teacher, MASS_GIVEN=mass_given or gluon_teacher,
                 SCORES_GIVEN=scores_given or orders, SCORE_ORDERS=orders)
@@ -584,7 +584,7 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
         if scores_given:     # log2(e) I(j) where the kernel reads them; 0 at empty slots, as if never written
             g_rows.copy_(scores[s:e]).mul_(1.4426950408889634).masked_fill_(idx < 0, 0.0)     # in place, no temporary
         elif orders:         # the kernel reads them where j < visible, which the score kernel writes
-            _student_orders(qi[s:e], ki, w32[s:e], ranges.rows(s, e), K, g_rows.view(torch.int32))
+            _student_orders(qi[s:e], ki, w[s:e], ranges.rows(s, e), K, g_rows.view(torch.int32))
         if gluon_teacher:
             try:
                 if full:
@@ -894,8 +894,7 @@ def _kl_backward_gluon_teacher(grad_kl, operands, full_lse, chunks, K: int, scal
     """The backward without a saved dKL/dI, on the Gluon teacher kernels: per chunk the teacher mass again
     (Gluon, from the saved full denominators ``full_lse``, natural log), dKL/dI from the forward kernel (full form,
     mass given, the student's logits formed again: by the indexer's score kernel with ``ranges``), then the
-    backward kernels with it. Memory: one chunk's (rows, K)
-    mass and dKL/dI. Same returns as :func:`_kl_backward`."""
+    backward kernels with it. Memory: one chunk's (rows, K) mass and dKL/dI. Same returns as :func:`_kl_backward`."""
     qi, ki, w, qm, ckv = operands
     d_qi = torch.empty_like(qi)
     d_ki = torch.zeros(ki.shape, dtype=torch.float32, device=ki.device)
@@ -963,6 +962,8 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
             candidates = Explicit(candidates.materialize())
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (index_q, index_k, index_weights))
     ranges = None if isinstance(candidates, Explicit) else contiguous_ranges(candidates)
+    if ranges is not None and ranges[3] < 0:   # the score kernels would read key rows below 0 (never built so)
+        ranges = None
     if ranges is not None:                     # the warm-up's every visible entry
         first, visible, table, shift = ranges
         return indexer_kl_ranges_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, first, visible,
