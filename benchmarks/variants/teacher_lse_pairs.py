@@ -97,7 +97,8 @@ _KERNEL_NEW = PAIR_HELPERS + '''    @gluon.jit
     def _teacher_lse_gluon(Q, CKV, IDX, NEND, LSE, H, K, T, qk_scale_log2,
                            D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
                            REGS: gl.constexpr):
-        # One program per (pair of rows, head block); stages of BLOCK_N // 2 slots.
+        # One program per (pair of rows, head block); stages of BLOCK_N // 2 slots (the default 64 only: the
+        # producer gathers 16 rows at a time).
         PAIR_N: gl.constexpr = BLOCK_N // 2
         q_all, ring, full, empty = _pair_buffers(Q.dtype.element_ty, D, PAIR_N, STAGES)
         gl.warp_specialize([
@@ -131,6 +132,9 @@ def inputs(T, H, device):
     cand = VisibleCompressed(dsv4attn.pack_batch(cu, T, T).compressed(4), T)
     first, visible, table, shift = contiguous_ranges(cand)
     idx = range_rows(first, visible, table, shift, cand.width, 0, T, dtype=torch.int32)
+    # What the pairs assume: row 2p's slots are row 2p + 1's first ones (the last row of an odd T pairs itself).
+    second = idx[1::2] if T % 2 == 0 else torch.cat([idx[1::2], idx[-1:]])
+    assert ((idx[0::2] < 0) | (idx[0::2] == second)).all(), "a pair of rows whose slots differ"
     q = torch.randn(T, H, 512, device=device, generator=gen).to(torch.bfloat16)
     ckv = torch.randn(cand.layout.capacity, 512, device=device, generator=gen).to(torch.bfloat16)
     return dict(q=q, ckv=ckv, idx=idx, n_end=visible.to(torch.int32), scale=512 ** -0.5)

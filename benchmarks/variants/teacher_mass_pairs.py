@@ -51,7 +51,8 @@ _KERNEL_NEW = _LSE_PAIRS["PAIR_HELPERS"] + '''    @gluon.jit
     def _teacher_mass_gluon(Q, CKV, IDX, NEND, FULL_LSE, MASS, H, K, T, qk_scale,
                             D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
                             REGS: gl.constexpr):
-        # One program per (pair of rows, head block); stages of BLOCK_N // 2 slots.
+        # One program per (pair of rows, head block); stages of BLOCK_N // 2 slots (the default 64 only: the
+        # producer gathers 16 rows at a time).
         PAIR_N: gl.constexpr = BLOCK_N // 2
         q_all, ring, full, empty = _pair_buffers(Q.dtype.element_ty, D, PAIR_N, STAGES)
         gl.warp_specialize([
