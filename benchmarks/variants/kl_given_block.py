@@ -24,7 +24,7 @@ _META = '''                SCORES_GIVEN=scores_given or orders, SCORE_ORDERS=ord
 
 
 def _wider(block: int):
-    return [(_META, _META + f'''    if meta["SCORES_GIVEN"] and meta["MASS_GIVEN"]:        # no dot in the kernel: wider blocks
+    return [(_META, _META + f'''    if meta["SCORES_GIVEN"] and meta["MASS_GIVEN"]:      # no dot: wider blocks
         meta["BLOCK_N"] = min({block}, _pow2(K))
 ''')]
 
