@@ -29,18 +29,7 @@ BUILD_SIGNATURE = {"T": "i32"}
 _KERNEL_OLD = '''    @gluon.jit
     def _teacher_lse_gluon(Q, CKV, IDX, NEND, LSE, H, K, qk_scale_log2,
                            D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-                           REGS: gl.constexpr):
-        # LSE: (2, T, H) fp32, one part per consumer (added by the caller). Same producer, ring and partition
-        # rules as _teacher_mass_gluon.
-        q_smem, ring, full, empty = _teacher_buffers(Q.dtype.element_ty, D, BLOCK_N, STAGES)
-        gl.warp_specialize([
-            (_lse_consumer, (IDX, NEND, LSE, H, K, qk_scale_log2, q_smem, ring, full, empty, gl.constexpr(0),
-                             BLOCK_N, STAGES)),
-            (_lse_consumer, (IDX, NEND, LSE, H, K, qk_scale_log2, q_smem, ring, full, empty, gl.constexpr(1),
-                             BLOCK_N, STAGES)),
-            (_mass_producer, (Q, CKV, IDX, NEND, H, K, q_smem, ring, full, empty, D, BLOCK_N, STAGES))],
-            [4, 4], [REGS[0], REGS[1]])
-'''
+                           REGS: gl.constexpr):'''
 
 # Shared with teacher_mass_pairs.py: the pair's rows, and a producer that gathers the second row's blocks.
 PAIR_HELPERS = '''    @gluon.jit
@@ -108,7 +97,11 @@ _KERNEL_NEW = PAIR_HELPERS + '''    @gluon.jit
                                   gl.constexpr(1), PAIR_N, STAGES)),
             (_pair_producer, (Q, CKV, IDX, NEND, H, K, T, q_all, ring, full, empty, D, PAIR_N, STAGES))],
             [4, 4], [REGS[0], REGS[1]])
-'''
+
+    @gluon.jit
+    def _teacher_lse_shipped(Q, CKV, IDX, NEND, LSE, H, K, qk_scale_log2,
+                             D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+                             REGS: gl.constexpr):'''
 
 _LAUNCH_OLD = '''    _teacher_lse_gluon[(T * (H // BLOCK_H),)](
         q, compressed_kv, candidates, row_ends(candidates) if n_end is None else n_end, parts, H, K, scale * LOG2E,'''
