@@ -39,7 +39,7 @@ from tests.ops.kernel_checks import OpLog, assert_error_within, low_precision_bo
 NAMES = ("kl", "d_index_q", "d_index_k", "d_index_weights")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-MULTI_BLOCK = dict(BLOCK_N=16)                 # several candidate blocks per row (the default walks 64 at a time)
+MULTI_BLOCK = dict(BLOCK_N=16, GIVEN_BLOCK_N=16)  # several candidate blocks per row (the defaults: 64 and 1024)
 
 
 def _case(dtype, kind="explicit", T=16, H=5, D=32, Hi=3, Di=16, Nc=40, K=20, fwd=None, bwd_n=None,

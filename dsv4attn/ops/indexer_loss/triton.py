@@ -92,7 +92,10 @@ from .reference import FLT_MIN, indexer_kl_reference
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Forward tiles. BLOCK_N: candidates per step; BLOCK_HI: index heads per student tile (every main head is in one
 # tile); BLOCK_D: contraction chunk of the teacher logits.
-FWD_CONFIG = dict(BLOCK_N=64, BLOCK_HI=64, BLOCK_D=64, num_warps=8, num_stages=2)
+# GIVEN_BLOCK_N: BLOCK_N of the full form when both the teacher mass and the student logits are given (no dot then:
+# the kernel only streams I(j) and m(j)), wide so that each of the program's 256 threads holds its own slots (with
+# 64, a warm-up row of 8192 slots took 2 x 128 short steps; BENCHMARKS.md, twenty-first session).
+FWD_CONFIG = dict(BLOCK_N=64, BLOCK_HI=64, BLOCK_D=64, GIVEN_BLOCK_N=1024, num_warps=8, num_stages=2)
 # Backward tiles: every index head in one tile (d index_q accumulates in registers), BLOCK_N candidates per step.
 # SPLIT_DX: for bf16/fp16 inputs, feed dKL/dx to the gradient matmuls as hi + lo parts (two tensor-core dots each):
 # one bf16-rounded dx alone gives d index_k errors ~3.5x the reference's own (final rounding only) on small tests.
@@ -104,7 +107,7 @@ SAVE_G_MAX_WIDTH = 1024
 # int32 candidate slots materialised per chunk of query rows (the sparse phase at T = 32K, K = 512: one chunk).
 INDEX_BUDGET = 1 << 25
 # The order in which the ops' ``fwd_tiles`` / ``bwd_tiles`` arguments list a config (custom op schemas take no dicts).
-FWD_KEYS = ("BLOCK_N", "BLOCK_HI", "BLOCK_D", "num_warps", "num_stages")
+FWD_KEYS = ("BLOCK_N", "BLOCK_HI", "BLOCK_D", "GIVEN_BLOCK_N", "num_warps", "num_stages")
 BWD_KEYS = ("BLOCK_N", "BLOCK_D", "SPLIT_DX", "num_warps", "num_stages", "KERNEL")
 
 
@@ -579,6 +582,8 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     meta = dict(_fwd_meta(H, D, Hi, Di, cfg), SAVE_G=save_g, DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype),
                 FULL=full or gluon_teacher, MASS_GIVEN=mass_given or gluon_teacher,
                 SCORES_GIVEN=scores_given or orders, SCORE_ORDERS=orders)
+    if meta["SCORES_GIVEN"] and meta["MASS_GIVEN"]:
+        meta["BLOCK_N"] = min(cfg["GIVEN_BLOCK_N"], _pow2(K))
     for s, e, idx, n_end in chunks:
         g_rows = rows_of("g", g_buf, s, e) if full or save_g or gluon_teacher else kl
         if scores_given:     # log2(e) I(j) where the kernel reads them; 0 at empty slots, as if never written
