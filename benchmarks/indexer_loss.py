@@ -118,11 +118,11 @@ def bench(T: int, mode: str, log, with_reference: bool, config=None, bwd_config=
 def split(T: int, log) -> None:
     """The warm-up teacher's time by part at ``T`` (one document, every visible entry, outside mass given), each part
     alone over all row chunks, as ``indexer_kl_ranges`` runs them on SM90 (Gluon teacher): materialising the chunks'
-    slots, teacher LSE, teacher mass, the student's logits (the indexer's score kernel), the KL forward on that mass
-    (those logits, then the KL terms and dKL/dI), the KL backward kernel on a saved dKL/dI; then the op forward and
-    forward + backward (the backward without a saved dKL/dI forms the mass, the logits and the forward kernel
-    again). FLOPs: teacher logits 2 H D, student dots 2 Hi Di, KL backward 3 x 2 Hi Di per valid (row, slot) pair
-    (the score kernel's FLOPs count the valid pairs only, as the others do)."""
+    slots, teacher LSE, teacher mass (their range form: one device), the student's logits (the indexer's score
+    kernel), the KL forward on that mass (those logits, then the KL terms and dKL/dI), the KL backward kernel on a
+    saved dKL/dI; then the op forward and forward + backward (the backward without a saved dKL/dI forms the mass,
+    the logits and the forward kernel again). FLOPs: teacher logits 2 H D, student dots 2 Hi Di, KL backward
+    3 x 2 Hi Di per valid (row, slot) pair (the score kernel's FLOPs count the valid pairs only, as the others do)."""
     from dsv4attn.ops.index_sets import contiguous_ranges
     from dsv4attn.ops.indexer_loss import triton as klt
     from dsv4attn.ops.sparse_attention import gluon_hopper
@@ -147,11 +147,13 @@ def split(T: int, log) -> None:
 
     def lse():
         for s, e, idx, n_end in chunks:
-            full[s:e] = torch.logaddexp(outside[s:e], gluon_hopper.teacher_lse(qm[s:e], ck, idx, scale, n_end=n_end))
+            full[s:e] = torch.logaddexp(outside[s:e], gluon_hopper.teacher_lse(
+                qm[s:e], ck, idx, scale, n_end=n_end, first=ranges.rows(s, e).first_rows()))
 
     def teacher_mass():
         for i, (s, e, idx, n_end) in enumerate(chunks):
-            mass[i] = gluon_hopper.teacher_mass(qm[s:e], ck, idx, full[s:e], scale, n_end=n_end)
+            mass[i] = gluon_hopper.teacher_mass(qm[s:e], ck, idx, full[s:e], scale, n_end=n_end,
+                                                first=ranges.rows(s, e).first_rows())
 
     def student():
         for s, e, _, _ in chunks:

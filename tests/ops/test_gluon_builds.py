@@ -43,6 +43,10 @@ def gluon_kernels():
     layout = gluon_common.gl.NVMMASharedLayout.get_default_for([scores.BLOCK_T, scores.HEAD_DIM],
                                                                gluon_common.gl.bfloat16)
     q_desc = mangle_type(gluon_common.TensorDescriptor.from_tensor(q, [scores.BLOCK_T, scores.HEAD_DIM], layout))
+    # The teacher kernels' range form: descriptors of q (as (T * H, D) rows) and of the kv, in 64-row blocks at D = 512.
+    rows = torch.empty(64, 512, dtype=torch.bfloat16)
+    row_desc = mangle_type(gluon_common.TensorDescriptor.from_tensor(
+        rows, [64, 512], gluon_common.gl.NVMMASharedLayout.get_default_for([64, 512], gluon_common.gl.bfloat16)))
     score_sig = dict(Q_DESC=q_desc, K=bf, W_=f32, FIRST=i64, VISIBLE=i64, TABLE=i64, ORDERS=i32, rows_c="i32",
                      width="i32", shift="i32")
     # The score kernel with and without the layout's lowering table.
@@ -61,6 +65,14 @@ def gluon_kernels():
          dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
         ("teacher_lse", attn._teacher_lse_gluon,
          dict(Q=bf, CKV=bf, IDX=i32, NEND=i32, LSE=f32, H="i32", K="i32", qk_scale_log2="fp32"),
+         dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
+        ("teacher_mass_ranges", attn._teacher_mass_ranges_gluon,
+         dict(Q_DESC=row_desc, KV_DESC=row_desc, FIRST=i32, IDX=i32, NEND=i32, FULL_LSE=f32, MASS=f32, H="i32",
+              K="i32", qk_scale="fp32"),
+         dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
+        ("teacher_lse_ranges", attn._teacher_lse_ranges_gluon,
+         dict(Q_DESC=row_desc, KV_DESC=row_desc, FIRST=i32, IDX=i32, NEND=i32, LSE=f32, H="i32", K="i32",
+              qk_scale_log2="fp32"),
          dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
         ("attn_bwd", attn_bwd._sparse_attn_bwd_gluon,
          dict(Q=bf, DO=bf, KV=bf, IDX=i32, NEND=i32, DENOM2=f32, DELTA=f32, DQ=bf, DKV=f32, COS=f32, SIN=f32,
@@ -111,8 +123,8 @@ def handed_over_slots_in_scratch(llir: str) -> tuple[list[int], int]:
     return sorted(slots & bases), len(bases)
 
 
-KERNEL_NAMES = ["attn_fwd", "attn_fwd_no_rope", "teacher_mass", "teacher_lse", "attn_bwd", "indexer_scores",
-                "indexer_scores_table", "kl_bwd"]
+KERNEL_NAMES = ["attn_fwd", "attn_fwd_no_rope", "teacher_mass", "teacher_lse", "teacher_mass_ranges",
+                "teacher_lse_ranges", "attn_bwd", "indexer_scores", "indexer_scores_table", "kl_bwd"]
 
 
 def _worker():

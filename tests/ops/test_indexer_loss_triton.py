@@ -306,15 +306,24 @@ def _gluon_teacher_check(klt) -> dict:
         s = torch.einsum("thd,tkd->thk", qm.double(), ckv.double()[idx.long().clamp(min=0)]) * scale
         return s.masked_fill(~valid[:, None, :], float("-inf")), valid
 
-    def teacher_lse(qm, ckv, idx, scale, config=None, n_end=None):
+    def ranges_form(idx, first):
+        # The range form (TMA copies of consecutive kv rows) is asked for only where the valid slots are first + j.
+        if first is not None:
+            calls["ranges"] += 1
+            j = torch.arange(idx.shape[1])
+            assert torch.equal(idx[idx >= 0].long(), (first.long()[:, None] + j)[idx >= 0])
+
+    def teacher_lse(qm, ckv, idx, scale, config=None, n_end=None, first=None):
+        ranges_form(idx, first)
         return torch.logsumexp(logits(qm, ckv, idx, scale)[0], -1).float()
 
-    def teacher_mass(qm, ckv, idx, full_lse, scale, config=None, n_end=None):
+    def teacher_mass(qm, ckv, idx, full_lse, scale, config=None, n_end=None, first=None):
+        ranges_form(idx, first)
         s, valid = logits(qm, ckv, idx, scale)
         full = full_lse.double().masked_fill(full_lse == float("-inf"), 0.0)   # such heads have only -inf logits
         return torch.where(valid, torch.exp(s - full[..., None]).sum(1), 0.0).float().contiguous()
 
-    calls = {"lse": 0, "mass": 0, "scores": 0}
+    calls = {"lse": 0, "mass": 0, "scores": 0, "ranges": 0}
     fail = {"lse": None, "mass": None}
     real_scores = klt.indexer_triton._score_orders
 
@@ -366,14 +375,14 @@ def _gluon_teacher_check(klt) -> dict:
         bounds = list(klt.chunk_rows(inputs[0].shape[0], inputs[6].width, budget=klt.INDEX_BUDGET))
         chunks = len(bounds)
         for save_g in (True, False):
-            calls.update(lse=0, mass=0, scores=0)
+            calls.update(lse=0, mass=0, scores=0, ranges=0)
             lazy = kernel(save_g)
             out[f"stubbed-save-{save_g}"] = _compare(lazy, low, exact)
-            out[f"calls-save-{save_g}"] = [calls["lse"], calls["mass"], chunks, calls["scores"]]
-            calls.update(lse=0, mass=0)
+            out[f"calls-save-{save_g}"] = [calls["lse"], calls["mass"], chunks, calls["scores"], calls["ranges"]]
+            calls.update(lse=0, mass=0, ranges=0)
             op = kernel(save_g, explicit)
             out[f"op-save-{save_g}"] = dict(equals_lazy=all(torch.equal(a, b) for a, b in zip(op, lazy)),
-                                            calls=[calls["lse"], calls["mass"]])
+                                            calls=[calls["lse"], calls["mass"]], ranges=calls["ranges"])
             calls.update(lse=0, mass=0)
             lazy_full = full_form(save_g, inputs)
             lazy_calls = calls["mass"]
@@ -401,10 +410,10 @@ def _gluon_teacher_check(klt) -> dict:
             given_chunks = list(klt.chunk_rows(given[0].shape[0], given[6].width, budget=klt.INDEX_BUDGET))
             explicit_given = list(given)
             explicit_given[6] = Explicit(given[6].materialize())
-            calls.update(scores=0)
+            calls.update(scores=0, ranges=0)
             lazy_stack = kernel(True, given)
             out[name] = dict(
-                scores_calls=calls["scores"],
+                scores_calls=calls["scores"], ranges=calls["ranges"],
                 expected=len(given_chunks) + sum(1 for s, e in given_chunks if s < split < e),
                 equals_explicit=all(torch.equal(a, b) for a, b in zip(lazy_stack, kernel(True, explicit_given))),
                 bounds=_compare(lazy_stack, _run(indexer_kl_reference, given),
@@ -663,13 +672,14 @@ def test_gluon_teacher_dataflow_matches_float64(interpreted, save_g):
     once per chunk in the forward and, without a saved dKL/dI, once more in the backward."""
     m = interpreted["gluon_teacher"]
     _assert_within_bounds(f"gluon-teacher-save-{save_g}", m[f"stubbed-save-{save_g}"], low_precision=True)
-    lse, mass, chunks, scores = m[f"calls-save-{save_g}"]
+    lse, mass, chunks, scores, ranges = m[f"calls-save-{save_g}"]
     assert chunks > 1 and lse == chunks and mass == (chunks if save_g else 2 * chunks), (lse, mass, chunks)
-    # The student's logits come from the indexer's score kernels, per chunk, as the mass does.
-    assert scores == mass, (scores, mass)
+    # The student's logits come from the indexer's score kernels, per chunk, as the mass does; every teacher call
+    # takes the range form (one device: each row's candidates are consecutive kv rows; the stubs check them).
+    assert scores == mass and ranges == lse + mass, (scores, mass, ranges)
     # The registered op pair for materialised candidates: the same teacher path in the same chunks (its student
-    # logits from the KL kernel's dots: equal here, see _gluon_teacher_check).
-    assert m[f"op-save-{save_g}"] == dict(equals_lazy=True, calls=[lse, mass]), m[f"op-save-{save_g}"]
+    # logits from the KL kernel's dots: equal here, see _gluon_teacher_check), on the gathering kernels.
+    assert m[f"op-save-{save_g}"] == dict(equals_lazy=True, calls=[lse, mass], ranges=0), m[f"op-save-{save_g}"]
     # The full-denominator form (full_lse given): the mass per chunk, in both paths alike.
     full = m[f"full-save-{save_g}"]
     assert full["equals_lazy"] and full["mass_calls"] == [mass] * 2, full
@@ -683,6 +693,7 @@ def test_gluon_teacher_student_scores_per_stack_part(interpreted):
     for name in ("stack", "stack-reversed"):
         m = interpreted["gluon_teacher"][name]
         assert m["scores_calls"] == m["expected"] and m["equals_explicit"], (name, m)
+        assert m["ranges"] == 0, (name, m)           # entries through a table: the gathering teacher kernels
         _assert_within_bounds(f"gluon-teacher-{name}", m["bounds"], low_precision=True)
 
 
@@ -932,7 +943,7 @@ def test_gluon_teacher_dispatch(monkeypatch):
     assert run() == "forward" and asked == [False]
     monkeypatch.setattr(variants, "_mode", "auto")
     failure[0] = PTXASError("cannot build")
-    built = r"teacher kernels \(_teacher_mass_gluon, _teacher_lse_gluon\) could not be built for D=128"
+    built = r"teacher kernels \(_teacher_mass_gluon, _teacher_lse_gluon; _ranges forms\) could not be built for D=128"
     with pytest.warns(RuntimeWarning, match=built):
         assert run() == "forward" and asked == [True, False]
     assert ("indexer_kl", "teacher_mass", (128, torch.bfloat16)) in variants.FAILED

@@ -233,6 +233,32 @@ def test_teacher_lse_matches_float64(H, D, K, dtype, config):
     assert err <= 2 * err_ref + 1e-6 * exact[keep].abs().max().item(), (err, err_ref)
 
 
+@sm90
+@pytest.mark.parametrize("H,N", [(64, 700), (128, 700), (64, 50)])
+def test_teacher_range_form_equals_gathering(H, N):
+    """The teacher kernels' range form (row t's candidates the kv rows first[t] + j, loaded by TMA: the warm-up's
+    every visible entry on one device) gives the gathering kernels' values bit for bit: ragged counts (rows without
+    a candidate, rows whose blocks run past the kv tensor's end, where TMA reads zeros), two head blocks, a kv
+    shorter than one 64-row block."""
+    gen = torch.Generator().manual_seed(H + N)
+    T, K, D = 97, 300, 512
+    q = torch.randn(T, H, D, generator=gen).to("cuda", torch.bfloat16)
+    ckv = torch.randn(N, D, generator=gen).to("cuda", torch.bfloat16)
+    first = torch.randint(0, N, (T,), generator=gen)
+    count = torch.minimum(torch.randint(0, K + 1, (T,), generator=gen), N - first)
+    count[:3] = 0
+    j = torch.arange(K)
+    idx = torch.where(j < count[:, None], first[:, None] + j, -1).to("cuda", torch.int32)
+    first = first.cuda()
+    lse = gluon_hopper.teacher_lse(q, ckv, idx, D ** -0.5)
+    ranged_lse = gluon_hopper.teacher_lse(q, ckv, idx, D ** -0.5, first=first)
+    assert torch.equal(lse, ranged_lse)
+    full = torch.logaddexp(lse, torch.zeros_like(lse))                     # finite for every head
+    mass = gluon_hopper.teacher_mass(q, ckv, idx, full, D ** -0.5)
+    assert torch.equal(mass, gluon_hopper.teacher_mass(q, ckv, idx, full, D ** -0.5, first=first))
+    assert torch.all(mass[:3] == 0) and bool((mass[idx >= 0] > 0).all())
+
+
 def test_teacher_kernels_refuse_odd_rings():
     q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
     for stages in (1, 3):

@@ -505,6 +505,11 @@ class StudentRanges(NamedTuple):
         return StudentRanges(self.first[s:e], self.visible[s:e], self.table, self.shift,
                              tuple(p - s for p in self.starts if s < p < e))
 
+    def first_rows(self) -> torch.Tensor | None:
+        """Each row's first candidate as a row of the keys when its candidates are consecutive rows (no entry
+        table: one device), for the Gluon teacher's range form (TMA copies instead of gathers); else None."""
+        return None if self.table is not None else self.first + self.shift
+
 
 def _student_ranges(first, visible, table, shift: int, parts) -> StudentRanges:
     return StudentRanges(first.contiguous(), visible.contiguous(), None if table is None else table.contiguous(),
@@ -591,12 +596,15 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
         elif orders:         # the kernel reads them where j < visible, which the score kernel writes
             _student_orders(qi[s:e], ki, w[s:e], ranges.rows(s, e), K, g_rows.view(torch.int32))
         if gluon_teacher:
+            first = None if ranges is None else ranges.rows(s, e).first_rows()
             try:
                 if full:
                     outside_rows = outside[s:e]
-                    mass_rows = gluon_hopper.teacher_mass(qm[s:e], ckv, idx, outside_rows, scale, n_end=n_end)
+                    mass_rows = gluon_hopper.teacher_mass(qm[s:e], ckv, idx, outside_rows, scale, n_end=n_end,
+                                                          first=first)
                 else:
-                    outside_rows, mass_rows = _gluon_full_and_mass(qm[s:e], ckv, outside[s:e], idx, n_end, scale)
+                    outside_rows, mass_rows = _gluon_full_and_mass(qm[s:e], ckv, outside[s:e], idx, n_end, scale,
+                                                                   first)
             except Exception as exc:
                 raise GluonTeacherFailed() from exc
         else:
@@ -686,11 +694,13 @@ def _backward_from_saved(grad_kl, operands, full2, rowstat, g_buf, chunks, K: in
     return _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks(), K, scale, bwd_config)
 
 
-def _gluon_full_and_mass(qm, ckv, outside: torch.Tensor, idx: torch.Tensor, n_end: torch.Tensor, scale: float):
+def _gluon_full_and_mass(qm, ckv, outside: torch.Tensor, idx: torch.Tensor, n_end: torch.Tensor, scale: float,
+                         first: torch.Tensor | None = None):
     """(full denominators L (rows, H), teacher mass (rows, K)), fp32, of one chunk of rows from the Gluon teacher
-    kernels: L = logaddexp(outside, the candidates' own LSE) (natural log), then the mass normalised by it."""
-    full_lse = torch.logaddexp(outside, gluon_hopper.teacher_lse(qm, ckv, idx, scale, n_end=n_end))
-    return full_lse, gluon_hopper.teacher_mass(qm, ckv, idx, full_lse, scale, n_end=n_end)
+    kernels: L = logaddexp(outside, the candidates' own LSE) (natural log), then the mass normalised by it.
+    ``first``: the rows' first key rows when their candidates are consecutive (:meth:`StudentRanges.first_rows`)."""
+    full_lse = torch.logaddexp(outside, gluon_hopper.teacher_lse(qm, ckv, idx, scale, n_end=n_end, first=first))
+    return full_lse, gluon_hopper.teacher_mass(qm, ckv, idx, full_lse, scale, n_end=n_end, first=first)
 
 
 def _row_chunks(idx: torch.Tensor, n_end: torch.Tensor):
@@ -907,12 +917,14 @@ def _kl_backward_gluon_teacher(grad_kl, operands, full_lse, chunks, K: int, scal
     for s, e, idx, n_end in chunks:
         rows = (qi[s:e], ki, w[s:e], qm[s:e], ckv)
         chunk = [(0, e - s, idx, n_end)]
+        chunk_ranges = None if ranges is None else ranges.rows(s, e)
         try:
-            mass = gluon_hopper.teacher_mass(qm[s:e], ckv, idx, full_lse[s:e], scale, n_end=n_end)
+            mass = gluon_hopper.teacher_mass(qm[s:e], ckv, idx, full_lse[s:e], scale, n_end=n_end,
+                                             first=None if chunk_ranges is None else chunk_ranges.first_rows())
         except Exception as exc:
             raise GluonTeacherFailed() from exc
         _, full2, rowstat, g = _kl_forward(rows, full_lse[s:e], chunk, K, scale, True, config, True, mass,
-                                           ranges=None if ranges is None else ranges.rows(s, e))
+                                           ranges=chunk_ranges)
         dq, dk, dw = _kl_backward(grad_kl[s:e], rows, full2, rowstat, g, chunk, K, scale, bwd_config)
         d_qi[s:e], d_w[s:e] = dq, dw
         d_ki += dk
@@ -997,7 +1009,7 @@ variants.register("indexer_kl", "forward", variants.Variant("triton", "KL forwar
                                                             variants.always, variants.always))
 variants.register(
     "indexer_kl", "teacher_mass",
-    variants.Variant("gluon", "teacher kernels (_teacher_mass_gluon, _teacher_lse_gluon)",
+    variants.Variant("gluon", "teacher kernels (_teacher_mass_gluon, _teacher_lse_gluon; _ranges forms)",
                      lambda qm: gluon_hopper.check(qm), sm90),
     variants.Variant("triton", "teacher mass inside the KL forward kernel (_indexer_kl_fwd_kernel)",
                      variants.always, variants.always))

@@ -43,9 +43,9 @@ from __future__ import annotations
 
 import torch
 
-from ..gluon_common import (BLOCK_H, IMPORTED, async_copy, copy_heads, fence_async_shared, gl, gluon, half_precision,
-                            mbarrier, mbarriers, program_row, ring_gather, rotate_channel_pairs, row_blocks, sm90,
-                            store_heads, warpgroup_mma, warpgroup_mma_wait)
+from ..gluon_common import (BLOCK_H, IMPORTED, TensorDescriptor, async_copy, copy_heads, fence_async_shared, gl, gluon,
+                            half_precision, mbarrier, mbarriers, program_row, ring_gather, rotate_channel_pairs,
+                            row_blocks, sm90, store_heads, tma_load, warpgroup_mma, warpgroup_mma_wait)
 from ..index_sets import row_ends
 
 LOG2E = 1.4426950408889634
@@ -265,6 +265,28 @@ if IMPORTED:
                      STAGES)
 
     @gluon.jit
+    def _range_producer(Q_DESC, KV_DESC, FIRST, NEND, H, q_smem, ring, full, empty, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr):
+        # Producer of the teacher kernels' range form: row t's candidates are the kv rows FIRST[t], FIRST[t] + 1, ...
+        # (the warm-up's every visible entry on one device), so q and each block of 64 rows come by one TMA copy
+        # issued by one thread, instead of 64 x 64 cp.async of 16 bytes over the producer's 128 threads (1.21x the
+        # two teacher kernels at 32K, BENCHMARKS.md). full[] completes on the copies' bytes, not on every earlier
+        # copy of the thread as a cp.async arrival does, so block 1's consumer would not wait for q: block 1 is
+        # issued once q and block 0 have landed. kv rows past the tensor read as zeros; the consumers mask the
+        # slots past the row's count.
+        t, hb = program_row(H)
+        first = gl.load(FIRST + t)
+        mbarrier.expect(full.index(0), Q_DESC.block_type.nbytes + KV_DESC.block_type.nbytes)
+        tma_load(Q_DESC, [(t * H + hb * BLOCK_H_C).to(gl.int32), 0], full.index(0), q_smem)
+        tma_load(KV_DESC, [first, 0], full.index(0), ring.index(0))
+        mbarrier.wait(full.index(0), 0)
+        for b in range(1, row_blocks(NEND, t, BLOCK_N)):
+            stage = b % STAGES
+            mbarrier.wait(empty.index(stage), ((b // STAGES) + 1) & 1, pred=b >= STAGES)
+            mbarrier.expect(full.index(stage), KV_DESC.block_type.nbytes)
+            tma_load(KV_DESC, [first + b * BLOCK_N, 0], full.index(stage), ring.index(stage))
+
+    @gluon.jit
     def _teacher_scores(IDX, row_base, K, b, q_smem, ring, full, empty, s_zero, s_layout: gl.constexpr,
                         STAGES: gl.constexpr):
         # Block b of a teacher consumer: its slot numbers n, candidate rows idx (-1 past K) and s = Q C^T from the
@@ -326,14 +348,16 @@ if IMPORTED:
         gl.store(LSE + (W * (gl.num_programs(0) // (H // BLOCK_H_C)) + t) * H + heads, lse)
 
     @gluon.jit
-    def _teacher_buffers(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        # The teacher kernels' shared memory: q of the head block, the ring of STAGES gathered blocks, and its
-        # barriers (full: the producer's 128 threads arrive; empty: each stage is used by one consumer).
+    def _teacher_buffers(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         ARRIVALS: gl.constexpr):
+        # The teacher kernels' shared memory: q of the head block, the ring of STAGES blocks, and its barriers (full:
+        # ARRIVALS = the gathering producer's 128 threads, or 1 expect-bytes arrival per TMA block; empty: each stage
+        # is used by one consumer). The layouts are those of the range form's TMA descriptors (_range_descs).
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H_C, D],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
         ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
-        return q_smem, ring, mbarriers(STAGES, 128), mbarriers(STAGES, 1)
+        return q_smem, ring, mbarriers(STAGES, ARRIVALS), mbarriers(STAGES, 1)
 
     @gluon.jit
     def _teacher_mass_gluon(Q, CKV, IDX, NEND, FULL_LSE, MASS, H, K, qk_scale,
@@ -344,7 +368,7 @@ if IMPORTED:
         # through a shared-memory slot, and Triton 3.9 placed that slot inside the first consumer's reduction
         # scratch (its head sum reduces across warps), so the other partitions could read a clobbered pointer
         # (wrong masses on the GPU; tests/ops/test_gluon_builds.py checks every kernel for such an overlap).
-        q_smem, ring, full, empty = _teacher_buffers(Q.dtype.element_ty, D, BLOCK_N, STAGES)
+        q_smem, ring, full, empty = _teacher_buffers(Q.dtype.element_ty, D, BLOCK_N, STAGES, 128)
         gl.warp_specialize([
             (_mass_consumer, (IDX, NEND, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
                               gl.constexpr(0), BLOCK_N, STAGES)),
@@ -359,13 +383,42 @@ if IMPORTED:
                            REGS: gl.constexpr):
         # LSE: (2, T, H) fp32, one part per consumer (added by the caller). Same producer, ring and partition
         # rules as _teacher_mass_gluon.
-        q_smem, ring, full, empty = _teacher_buffers(Q.dtype.element_ty, D, BLOCK_N, STAGES)
+        q_smem, ring, full, empty = _teacher_buffers(Q.dtype.element_ty, D, BLOCK_N, STAGES, 128)
         gl.warp_specialize([
             (_lse_consumer, (IDX, NEND, LSE, H, K, qk_scale_log2, q_smem, ring, full, empty, gl.constexpr(0),
                              BLOCK_N, STAGES)),
             (_lse_consumer, (IDX, NEND, LSE, H, K, qk_scale_log2, q_smem, ring, full, empty, gl.constexpr(1),
                              BLOCK_N, STAGES)),
             (_mass_producer, (Q, CKV, IDX, NEND, H, K, q_smem, ring, full, empty, D, BLOCK_N, STAGES))],
+            [4, 4], [REGS[0], REGS[1]])
+
+    @gluon.jit
+    def _teacher_mass_ranges_gluon(Q_DESC, KV_DESC, FIRST, IDX, NEND, FULL_LSE, MASS, H, K, qk_scale,
+                                   D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                   num_warps: gl.constexpr, REGS: gl.constexpr):
+        # _teacher_mass_gluon on the range form's producer (TMA copies of consecutive kv rows); the same consumers,
+        # which read IDX only for the slots' validity.
+        q_smem, ring, full, empty = _teacher_buffers(Q_DESC.dtype, D, BLOCK_N, STAGES, 1)
+        gl.warp_specialize([
+            (_mass_consumer, (IDX, NEND, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
+                              gl.constexpr(0), BLOCK_N, STAGES)),
+            (_mass_consumer, (IDX, NEND, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
+                              gl.constexpr(1), BLOCK_N, STAGES)),
+            (_range_producer, (Q_DESC, KV_DESC, FIRST, NEND, H, q_smem, ring, full, empty, BLOCK_N, STAGES))],
+            [4, 4], [REGS[0], REGS[1]])
+
+    @gluon.jit
+    def _teacher_lse_ranges_gluon(Q_DESC, KV_DESC, FIRST, IDX, NEND, LSE, H, K, qk_scale_log2,
+                                  D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                  num_warps: gl.constexpr, REGS: gl.constexpr):
+        # _teacher_lse_gluon on the range form's producer.
+        q_smem, ring, full, empty = _teacher_buffers(Q_DESC.dtype, D, BLOCK_N, STAGES, 1)
+        gl.warp_specialize([
+            (_lse_consumer, (IDX, NEND, LSE, H, K, qk_scale_log2, q_smem, ring, full, empty, gl.constexpr(0),
+                             BLOCK_N, STAGES)),
+            (_lse_consumer, (IDX, NEND, LSE, H, K, qk_scale_log2, q_smem, ring, full, empty, gl.constexpr(1),
+                             BLOCK_N, STAGES)),
+            (_range_producer, (Q_DESC, KV_DESC, FIRST, NEND, H, q_smem, ring, full, empty, BLOCK_N, STAGES))],
             [4, 4], [REGS[0], REGS[1]])
 
 
@@ -408,38 +461,61 @@ def _teacher_config(config, what: str) -> dict:
     return cfg
 
 
-def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None, n_end=None):
+def _range_descs(q, compressed_kv, block_n: int):
+    """TMA descriptors of q viewed as (T * H, D) rows in 64-head blocks and of the kv in blocks of ``block_n`` rows,
+    with the layouts of the kernels' shared memory (_teacher_buffers)."""
+    T, H, D = q.shape
+    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    return (TensorDescriptor.from_tensor(q.reshape(T * H, D), [BLOCK_H, D],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], dt)),
+            TensorDescriptor.from_tensor(compressed_kv, [block_n, D],
+                                         gl.NVMMASharedLayout.get_default_for([block_n, D], dt)))
+
+
+def _teacher_sources(q, compressed_kv, candidates, cfg: dict, first):
+    """(kernel form, its leading arguments): the gathering kernels, or with ``first`` the range form's."""
+    if first is None:
+        return False, (q, compressed_kv, candidates)
+    return True, (*_range_descs(q.contiguous(), compressed_kv.contiguous(), cfg["BLOCK_N"]),
+                  first.to(torch.int32).contiguous(), candidates)
+
+
+def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None, n_end=None, first=None):
     """Indexer-KL teacher mass m(t, j) = sum_h exp(scale q[t, h] . C[candidates[t, j]] - full_lse[t, h]) for the
     valid slots (0 for -1 slots): q (T, H, D) bf16/fp16 with :func:`available`, compressed_kv (N >= 1, D) in q's
     dtype, candidates (T, K) int32, full_lse (T, H) fp32 natural log -> (T, K) fp32. The KL's teacher logits, on the
     attention forward's producer + ring; what ``indexer_kl(..., full_lse=...)`` would otherwise form in Triton.
     ``n_end``: the candidates' row ends (``index_sets.row_ends``) if the caller has them; each row's blocks stop at
-    its last valid slot."""
+    its last valid slot. ``first``: (T,) int, given when row t's candidates are the kv rows ``first[t] + j`` for
+    its valid slots j < its count (slots past it -1; the warm-up's every visible entry on one device): q and the kv
+    blocks then come by TMA copies, not gathers (the same values)."""
     cfg = _teacher_config(config, "teacher_mass config")
     T, H, D = q.shape
     K = candidates.shape[1]
     # Zeros: the slots past a row's last valid one are not written.
     planes = torch.zeros(H // BLOCK_H, T, K, dtype=torch.float32, device=q.device)
     if T and K:
-        _teacher_mass_gluon[(T * (H // BLOCK_H),)](
-            q, compressed_kv, candidates, row_ends(candidates) if n_end is None else n_end,
+        ranges, sources = _teacher_sources(q, compressed_kv, candidates, cfg, first)
+        (_teacher_mass_ranges_gluon if ranges else _teacher_mass_gluon)[(T * (H // BLOCK_H),)](
+            *sources, row_ends(candidates) if n_end is None else n_end,
             full_lse.float().contiguous(), planes, H, K, scale,
             D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
     return planes[0] if planes.shape[0] == 1 else planes.sum(0)
 
 
-def teacher_lse(q, compressed_kv, candidates, scale, config=None, n_end=None):
+def teacher_lse(q, compressed_kv, candidates, scale, config=None, n_end=None, first=None):
     """Per head, the natural-log sum of exp(scale q[t, h] . C[candidates[t, j]]) over the valid slots j (-inf for a
     row without one): (T, H) fp32, for q / compressed_kv / candidates as :func:`teacher_mass` takes them. The
     teacher's mass over its candidates, for a full denominator that is not the attention's own (the warm-up's
-    every visible entry)."""
+    every visible entry). ``first``: as :func:`teacher_mass` takes it."""
     cfg = _teacher_config(config, "teacher_lse config")
     T, H, D = q.shape
     K = candidates.shape[1]
     if T == 0 or K == 0:
         return torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     parts = torch.empty(2, T, H, dtype=torch.float32, device=q.device)
-    _teacher_lse_gluon[(T * (H // BLOCK_H),)](
-        q, compressed_kv, candidates, row_ends(candidates) if n_end is None else n_end, parts, H, K, scale * LOG2E,
+    ranges, sources = _teacher_sources(q, compressed_kv, candidates, cfg, first)
+    (_teacher_lse_ranges_gluon if ranges else _teacher_lse_gluon)[(T * (H // BLOCK_H),)](
+        *sources, row_ends(candidates) if n_end is None else n_end, parts, H, K, scale * LOG2E,
         D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
     return torch.logaddexp(parts[0], parts[1])
