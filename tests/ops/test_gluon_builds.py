@@ -7,7 +7,7 @@ once, at its launcher's default config (the forward also with the output rotatio
 types (bf16, D = 512 for the attention; pointer arguments 16-byte aligned, as the runtime specialises them), and
 checks that its shared memory fits an SM90 block.
 Cost with a cold Triton cache on a 2-core CPU: about 30 s of CPU time with Triton 3.9, 20 s with 3.6 (one child
-process compiles all eight; a warm cache skips the compiles).
+process compiles all ten; a warm cache skips the compiles).
 
 :func:`gluon_kernels` and :func:`compile_sm90` also serve offline studies of a kernel (registers, spills, SASS).
 """

@@ -234,28 +234,33 @@ def test_teacher_lse_matches_float64(H, D, K, dtype, config):
 
 
 @sm90
-@pytest.mark.parametrize("H,N", [(64, 700), (128, 700), (64, 50)])
-def test_teacher_range_form_equals_gathering(H, N):
+@pytest.mark.parametrize("H,N,D,K,dtype,config", [
+    (64, 700, 512, 300, torch.bfloat16, None), (128, 700, 512, 300, torch.bfloat16, None),
+    (64, 50, 512, 300, torch.bfloat16, None), (64, 700, 256, 100, torch.float16, dict(BLOCK_N=16, STAGES=4)),
+    (64, 700, 128, 10, torch.bfloat16, dict(BLOCK_N=32, STAGES=4))])
+def test_teacher_range_form_equals_gathering(H, N, D, K, dtype, config):
     """The teacher kernels' range form (row t's candidates the kv rows first[t] + j, loaded by TMA: the warm-up's
-    every visible entry on one device) gives the gathering kernels' values bit for bit: ragged counts (rows without
-    a candidate, rows whose blocks run past the kv tensor's end, where TMA reads zeros), two head blocks, a kv
-    shorter than one 64-row block."""
-    gen = torch.Generator().manual_seed(H + N)
-    T, K, D = 97, 300, 512
-    q = torch.randn(T, H, D, generator=gen).to("cuda", torch.bfloat16)
-    ckv = torch.randn(N, D, generator=gen).to("cuda", torch.bfloat16)
+    every visible entry on one device) gives the gathering kernels' values bit for bit: ragged counts, rows without
+    a candidate (their first at or far past the kv's end, as padding rows have it), blocks that run past the kv
+    tensor's end (TMA reads zeros), two head blocks, a kv shorter than one block, fp16, other ring depths and blocks,
+    K below one block."""
+    gen = torch.Generator().manual_seed(H + N + D)
+    T = 97
+    q = torch.randn(T, H, D, generator=gen).to("cuda", dtype)
+    ckv = torch.randn(N, D, generator=gen).to("cuda", dtype)
     first = torch.randint(0, N, (T,), generator=gen)
     count = torch.minimum(torch.randint(0, K + 1, (T,), generator=gen), N - first)
     count[:3] = 0
+    first[0], first[1] = N, N + 5000
     j = torch.arange(K)
     idx = torch.where(j < count[:, None], first[:, None] + j, -1).to("cuda", torch.int32)
     first = first.cuda()
-    lse = gluon_hopper.teacher_lse(q, ckv, idx, D ** -0.5)
-    ranged_lse = gluon_hopper.teacher_lse(q, ckv, idx, D ** -0.5, first=first)
-    assert torch.equal(lse, ranged_lse)
+    scale = D ** -0.5
+    lse = gluon_hopper.teacher_lse(q, ckv, idx, scale, config)
+    assert torch.equal(lse, gluon_hopper.teacher_lse(q, ckv, idx, scale, config, first=first))
     full = torch.logaddexp(lse, torch.zeros_like(lse))                     # finite for every head
-    mass = gluon_hopper.teacher_mass(q, ckv, idx, full, D ** -0.5)
-    assert torch.equal(mass, gluon_hopper.teacher_mass(q, ckv, idx, full, D ** -0.5, first=first))
+    mass = gluon_hopper.teacher_mass(q, ckv, idx, full, scale, config)
+    assert torch.equal(mass, gluon_hopper.teacher_mass(q, ckv, idx, full, scale, config, first=first))
     assert torch.all(mass[:3] == 0) and bool((mass[idx >= 0] > 0).all())
 
 

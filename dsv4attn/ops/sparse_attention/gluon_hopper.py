@@ -33,7 +33,8 @@ Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_
 
 :func:`teacher_mass` reuses the producer and ring for the indexer KL's teacher mass (two independent consumers), and
 :func:`teacher_lse` for each head's LSE over the candidates (the warm-up teacher's full denominators: two consumer
-parts combined by logaddexp).
+parts combined by logaddexp). Given ``first`` (each row's candidates consecutive kv rows: the warm-up's every
+visible entry on one device) both take their range form, whose producer loads q and each block by TMA instead.
 
 No cross-warpgroup reductions: each block's softmax lives in one warpgroup (rows reduce inside a quad of threads).
 Gluon kernels run only on the GPU (no interpreter): the tests compare this kernel with the float64 reference on the
@@ -268,12 +269,13 @@ if IMPORTED:
     def _range_producer(Q_DESC, KV_DESC, FIRST, NEND, H, q_smem, ring, full, empty, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr):
         # Producer of the teacher kernels' range form: row t's candidates are the kv rows FIRST[t], FIRST[t] + 1, ...
-        # (the warm-up's every visible entry on one device), so q and each block of 64 rows come by one TMA copy
-        # issued by one thread, instead of 64 x 64 cp.async of 16 bytes over the producer's 128 threads (1.21x the
-        # two teacher kernels at 32K, BENCHMARKS.md). full[] completes on the copies' bytes, not on every earlier
-        # copy of the thread as a cp.async arrival does, so block 1's consumer would not wait for q: block 1 is
-        # issued once q and block 0 have landed. kv rows past the tensor read as zeros; the consumers mask the
-        # slots past the row's count.
+        # (the warm-up's every visible entry on one device), so q and each block of BLOCK_N rows come by one TMA
+        # load (Triton splits it into 64-column boxes, each issued by one lane), instead of BLOCK_N x D / 8 cp.async
+        # of 16 bytes over the producer's 128 threads (1.21x the two teacher kernels at 32K, BENCHMARKS.md). A row
+        # without candidates still loads (and its consumer masks) one block. full[] completes on the copies' bytes,
+        # not on every earlier copy of the thread as a cp.async arrival does, so block 1's consumer would not wait
+        # for q: block 1 is issued once q and block 0 have landed. kv rows past the tensor read as zeros; the
+        # consumers mask the slots past the row's count.
         t, hb = program_row(H)
         first = gl.load(FIRST + t)
         mbarrier.expect(full.index(0), Q_DESC.block_type.nbytes + KV_DESC.block_type.nbytes)
@@ -465,7 +467,7 @@ def _range_descs(q, compressed_kv, block_n: int):
     """TMA descriptors of q viewed as (T * H, D) rows in 64-head blocks and of the kv in blocks of ``block_n`` rows,
     with the layouts of the kernels' shared memory (_teacher_buffers)."""
     T, H, D = q.shape
-    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    dt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]        # half_precision: one of the two
     return (TensorDescriptor.from_tensor(q.reshape(T * H, D), [BLOCK_H, D],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], dt)),
             TensorDescriptor.from_tensor(compressed_kv, [block_n, D],
@@ -473,11 +475,12 @@ def _range_descs(q, compressed_kv, block_n: int):
 
 
 def _teacher_sources(q, compressed_kv, candidates, cfg: dict, first):
-    """(kernel form, its leading arguments): the gathering kernels, or with ``first`` the range form's."""
-    if first is None:
+    """(range form?, the kernel's leading arguments): with ``first`` the range form's TMA descriptors, else (and
+    for tensors whose base is not 16-byte aligned, which TMA needs) the gathering kernels' pointers."""
+    q, compressed_kv = q.contiguous(), compressed_kv.contiguous()
+    if first is None or q.data_ptr() % 16 or compressed_kv.data_ptr() % 16:
         return False, (q, compressed_kv, candidates)
-    return True, (*_range_descs(q.contiguous(), compressed_kv.contiguous(), cfg["BLOCK_N"]),
-                  first.to(torch.int32).contiguous(), candidates)
+    return True, (*_range_descs(q, compressed_kv, cfg["BLOCK_N"]), first.to(torch.int32).contiguous(), candidates)
 
 
 def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None, n_end=None, first=None):
@@ -495,8 +498,8 @@ def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None, n_e
     # Zeros: the slots past a row's last valid one are not written.
     planes = torch.zeros(H // BLOCK_H, T, K, dtype=torch.float32, device=q.device)
     if T and K:
-        ranges, sources = _teacher_sources(q, compressed_kv, candidates, cfg, first)
-        (_teacher_mass_ranges_gluon if ranges else _teacher_mass_gluon)[(T * (H // BLOCK_H),)](
+        range_form, sources = _teacher_sources(q, compressed_kv, candidates, cfg, first)
+        (_teacher_mass_ranges_gluon if range_form else _teacher_mass_gluon)[(T * (H // BLOCK_H),)](
             *sources, row_ends(candidates) if n_end is None else n_end,
             full_lse.float().contiguous(), planes, H, K, scale,
             D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
@@ -514,8 +517,8 @@ def teacher_lse(q, compressed_kv, candidates, scale, config=None, n_end=None, fi
     if T == 0 or K == 0:
         return torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     parts = torch.empty(2, T, H, dtype=torch.float32, device=q.device)
-    ranges, sources = _teacher_sources(q, compressed_kv, candidates, cfg, first)
-    (_teacher_lse_ranges_gluon if ranges else _teacher_lse_gluon)[(T * (H // BLOCK_H),)](
+    range_form, sources = _teacher_sources(q, compressed_kv, candidates, cfg, first)
+    (_teacher_lse_ranges_gluon if range_form else _teacher_lse_gluon)[(T * (H // BLOCK_H),)](
         *sources, row_ends(candidates) if n_end is None else n_end, parts, H, K, scale * LOG2E,
         D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
     return torch.logaddexp(parts[0], parts[1])
