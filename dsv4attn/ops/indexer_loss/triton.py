@@ -591,12 +591,13 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
         meta["BLOCK_N"] = min(cfg["GIVEN_BLOCK_N"], _pow2(K))
     for s, e, idx, n_end in chunks:
         g_rows = rows_of("g", g_buf, s, e) if full or save_g or gluon_teacher else kl
+        chunk_ranges = None if ranges is None else ranges.rows(s, e)
         if scores_given:     # log2(e) I(j) where the kernel reads them; 0 at empty slots, as if never written
             g_rows.copy_(scores[s:e]).mul_(1.4426950408889634).masked_fill_(idx < 0, 0.0)     # in place, no temporary
         elif orders:         # the kernel reads them where j < visible, which the score kernel writes
-            _student_orders(qi[s:e], ki, w[s:e], ranges.rows(s, e), K, g_rows.view(torch.int32))
+            _student_orders(qi[s:e], ki, w[s:e], chunk_ranges, K, g_rows.view(torch.int32))
         if gluon_teacher:
-            first = None if ranges is None else ranges.rows(s, e).first_rows()
+            first = None if chunk_ranges is None else chunk_ranges.first_rows()
             try:
                 if full:
                     outside_rows = outside[s:e]
