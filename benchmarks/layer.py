@@ -3,10 +3,14 @@
     python benchmarks/layer.py --preset flash --rows 8192 32768 131072 262144 --ratios 0 4 128 \
         --phases dense warmup sparse [--breakdown] [--backend reference]
 
-Each case runs once to warm up, then once timed (``--rounds R``: R times, medians). ``peak reserved`` is the
-caching allocator's peak (what the process held from the driver); ``live before`` is the memory still allocated when
-the case starts (after garbage collection): anything but the inputs there means the previous case leaked. ``doc`` is
-the document length (``--doc-len``; the batch is T / doc documents back to back).
+Each case runs once to warm up, then once timed (``--rounds R``: R times, medians). A step is timed as a training
+step runs it: the batch's pack (``dsv4attn.pack_batch``) is built once per batch, outside the timed step, as a model
+builds it once for all its layers; the upstream gradient is drawn once per case and fed to ``y.backward``, so no loss
+kernels count as the layer's; the allocator's cache is emptied once per case, before the warm-up run, not before each
+timed run (a training loop keeps its cache warm). ``peak reserved`` is the caching allocator's peak (what the process
+held from the driver); ``live before`` is the memory still allocated when the case starts (after garbage
+collection): anything but the inputs there means the previous case leaked. ``doc`` is the document length
+(``--doc-len``; the batch is T / doc documents back to back).
 
 ``--breakdown`` records the arguments of every op call the timed step makes (compressor pooling, indexer top-k,
 sparse attention, indexer KL) and replays each call on its own, forward and forward + backward, median of 3 (the
@@ -33,6 +37,7 @@ composite layer: ours with those ops replaced by the peers' times (the KL and th
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import time
@@ -110,41 +115,44 @@ def breakdown(calls) -> dict[str, tuple[float, float]]:
     return {k: tuple(v) for k, v in totals.items()}
 
 
-def run_case(layer, x, cu, doc, phase, device, record=False, pack=None):
+def run_case(layer, x, pack, phase, device, upstream, record=False, fresh=False):
+    """One forward + backward of ``layer`` on ``x`` with the prebuilt ``pack``; ``upstream`` is dL/dy. ``fresh``
+    empties the allocator's cache first (the case's warm-up run)."""
     gib = 2.0 ** 30
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    cuda = device.type == "cuda"
+    if cuda:
+        if fresh:
+            torch.cuda.empty_cache()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    live = torch.cuda.memory_allocated() / gib if device.type == "cuda" else float("nan")
+    live = torch.cuda.memory_allocated() / gib if cuda else float("nan")
     recorder = OpRecorder()
     with recorder if record else _nothing():
         start = time.perf_counter()
-        y = layer(x, cu_seqlens=cu, max_seqlen=doc, phase=phase) if pack is None else layer(x, pack=pack, phase=phase)
-        if device.type == "cuda":
+        y = layer(x, pack=pack, phase=phase)
+        if cuda:
             torch.cuda.synchronize()
         fwd = (time.perf_counter() - start) * 1e3
-        y.float().square().mean().backward()
-        if device.type == "cuda":
+        y.backward(upstream)
+        if cuda:
             torch.cuda.synchronize()
         total = (time.perf_counter() - start) * 1e3
     del y
     x.grad = None
     layer.zero_grad(set_to_none=True)
-    cuda = device.type == "cuda"
     peak = torch.cuda.max_memory_allocated() / gib if cuda else float("nan")
     reserved = torch.cuda.max_memory_reserved() / gib if cuda else float("nan")
     return fwd, total, peak, reserved, live, recorder.calls
 
 
-def profile_case(layer, x, cu, doc, phase, device, rows: int, pack=None) -> None:
+def profile_case(layer, x, pack, phase, device, upstream, rows: int) -> None:
     """One forward + backward under torch.profiler; prints the ``rows`` entries with the most self device time, then
     the same grouped by input shapes (which tensor each copy, cast or elementwise pass touched)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, record_shapes=True) as prof:
-        run_case(layer, x, cu, doc, phase, device, pack=pack)
+        run_case(layer, x, pack, phase, device, upstream)
     keys = ("self_device_time_total", "self_cuda_time_total") if device.type == "cuda" else ("self_cpu_time_total",)
     for key in keys:                           # the device key's name changed across PyTorch releases
         try:
@@ -241,7 +249,7 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile one step per case and print its N most expensive kernels")
     ap.add_argument("--compile", action="store_true", help="also run each case through torch.compile(layer, "
-                    "fullgraph=True) (inductor; the pack built outside): a second row, phase marked 'compiled'")
+                    "fullgraph=True) (inductor): a second row, phase marked 'compiled'")
     ap.add_argument("--rounds", type=int, default=1, help="timed runs per case (medians); with --compile the eager "
                     "and compiled steps alternate")
     ap.add_argument("--peers", default=None, help="folder of the peers (e.g. .peers; with --breakdown, one document): "
@@ -267,19 +275,20 @@ def main() -> None:
     for T in args.rows:
         doc = args.doc_len or T
         cu = torch.tensor([0] + [doc] * (T // doc), dtype=torch.int32, device=device).cumsum(0).to(torch.int32)
+        pack = dsv4attn.pack_batch(cu, T, doc)          # once per batch, as a model builds it for all its layers
         for ratio in args.ratios:
             layer = dsv4attn.HybridAttention(cfg, ratio).to(device=device, dtype=dtype).train()
             for phase in args.phases:
                 if ratio != 4 and phase != args.phases[0]:
                     continue                                   # the phase only changes ratio-4 layers
                 x = torch.randn(T, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
+                upstream = torch.randn_like(x)                 # dL/dy, drawn once: y has x's shape
+                step = functools.partial(run_case, x=x, pack=pack, phase=phase, device=device, upstream=upstream)
                 try:
-                    run_case(layer, x, cu, doc, phase, device)
-                    fwd, total, peak, reserved, live, calls = run_case(layer, x, cu, doc, phase, device,
-                                                                       args.breakdown)
+                    step(layer, fresh=True)
+                    fwd, total, peak, reserved, live, calls = step(layer, record=args.breakdown)
                     if args.rounds > 1 and not args.compile:      # with --compile the rounds alternate below
-                        runs = [(fwd, total)] + [run_case(layer, x, cu, doc, phase, device)[:2]
-                                                 for _ in range(args.rounds - 1)]
+                        runs = [(fwd, total)] + [step(layer)[:2] for _ in range(args.rounds - 1)]
                         fwd, total = (statistics.median(r[i] for r in runs) for i in range(2))
                 except torch.OutOfMemoryError:
                     print(f"| {T} | {doc} | {ratio} | {phase} | OOM | OOM | - | - | - |", flush=True)
@@ -293,17 +302,16 @@ def main() -> None:
                                     peer_breakdown(calls, peers) if peers else {}))
                     del calls
                 if args.profile:
-                    profile_case(layer, x, cu, doc, phase, device, args.profile)
+                    profile_case(layer, x, pack, phase, device, upstream, args.profile)
                 if args.compile:
                     compiled = torch.compile(layer, fullgraph=True)
-                    pack = dsv4attn.pack_batch(cu, T, doc)      # outside the compiled region (it reads cu_seqlens)
-                    run_case(compiled, x, cu, doc, phase, device, pack=pack)    # compiles
-                    fwd, total, peak, reserved, live, _ = run_case(compiled, x, cu, doc, phase, device, pack=pack)
+                    step(compiled, fresh=True)                                   # compiles
+                    fwd, total, peak, reserved, live, _ = step(compiled)
                     if args.rounds > 1:
                         eager, comp = [], [(fwd, total)]
                         for _ in range(args.rounds):
-                            eager.append(run_case(layer, x, cu, doc, phase, device)[:2])
-                            comp.append(run_case(compiled, x, cu, doc, phase, device, pack=pack)[:2])
+                            eager.append(step(layer)[:2])
+                            comp.append(step(compiled)[:2])
                         med = lambda runs, i: statistics.median(r[i] for r in runs)      # noqa: E731
                         ratio_t = statistics.median(e[1] / k[1] for e, k in zip(eager, comp[1:]))
                         print(f"| {T} | {doc} | {ratio} | {phase} (eager, {args.rounds} alternating rounds) | "
@@ -316,8 +324,8 @@ def main() -> None:
                           f"{reserved:.1f} | {live:.2f} |", flush=True)
                     if args.profile:
                         print(f"\nProfile of the compiled layer, ratio {ratio}, {phase}:", flush=True)
-                        profile_case(compiled, x, cu, doc, phase, device, args.profile, pack=pack)
-                    del compiled, pack
+                        profile_case(compiled, x, pack, phase, device, upstream, args.profile)
+                    del compiled
             del layer
     if details:
         print("\nPer-op breakdown (each op call replayed alone; ms forward / forward+backward)")
