@@ -278,6 +278,7 @@ def _worker() -> None:
         fp64_fallback_is_reference=all(torch.equal(a, b) for a, b in zip(fallback, reference)),
     )
     results["op"] = _op_checks(klt, inputs)
+    results["range_rows"] = _range_rows_twin(klt)
     results["mass_given"] = _mass_given_check(klt)
     results["gluon_teacher"] = _gluon_teacher_check(klt)
     print("RESULTS " + json.dumps(results))
@@ -528,6 +529,36 @@ def _range_sets(inputs, gen):
     yield "rank-view", (index_q, moved[0], index_w, q, moved[1], outside, stacked, grad_kl)
 
 
+def _range_rows_twin(klt) -> dict:
+    """The warm-up slots as the ranges ops materialise them (one kernel, int32) against the reference twin
+    ``index_sets.range_rows``: ragged documents with padding rows, an offset base, a Rows view with an entry table and
+    a shift, a context-parallel rank's Stack of such views; whole and in chunks, a width past one kernel block."""
+    from dsv4attn.ops.index_sets import Rows, Stack, VisibleCompressed, contiguous_ranges, range_rows
+    from tests.packs import build_pack
+    equal = {}
+    for lengths, padding in (((9, 0, 21, 7), 3), ((4100, 37), 5)):
+        pack = build_pack(lengths, padding)
+        T, layout = pack.total_rows, pack.compressed(4)
+        visible = VisibleCompressed(layout, T)
+        table = torch.randperm(layout.capacity, generator=torch.Generator().manual_seed(0))
+        half = T // 2
+        sets = {"visible": visible, "offset": VisibleCompressed(layout, T, offset=6),
+                "rows": Rows(visible, 3, T - 3, shift=11, table=table, bound=layout.capacity),
+                "stack": Stack(Rows(visible, 0, half, shift=11, table=table),
+                               Rows(visible, half, T - half, shift=11, table=table))}
+        if T > 4096:                     # the wide rows (two kernel blocks) once: the interpreter runs every program
+            sets = {"stack": sets["stack"]}
+        for name, index_set in sets.items():
+            first, count, tbl, shift = contiguous_ranges(index_set)
+            rows = index_set.total_rows
+            chunks = ((0, rows), (0, 4), (4, 11), (11, rows), (5, 5)) if T <= 4096 else ((4090, 4110),)
+            for start, end in chunks:
+                want = range_rows(first, count, tbl, shift, index_set.width, start, end, dtype=torch.int32)
+                got = klt.range_rows_triton(first, count, tbl, shift, index_set.width, start, end)
+                equal[f"{T}-{name}-{start}:{end}"] = got.dtype == torch.int32 and torch.equal(got, want)
+    return equal
+
+
 def _op_checks(klt, plumbing_inputs) -> dict:
     """Explicit candidates run the ops ``dsv4attn::indexer_kl`` / ``indexer_kl_backward``; the warm-up's every visible
     entry (and the Rows / Stack views context parallelism makes of it) runs ``indexer_kl_ranges`` /
@@ -735,6 +766,11 @@ def test_registered_ops(interpreted, check):
                                      for g in ("saved", "recompute")])
 def test_ranges_ops_equal_explicit_ops_bitwise(interpreted, variant):
     assert interpreted["op"]["ranges_equal_explicit_bitwise"][variant]
+
+
+def test_range_rows_kernel_equals_its_reference_twin(interpreted):
+    results = interpreted["range_rows"]
+    assert results and all(results.values()), [k for k, v in results.items() if not v]
 
 
 # ----------------------------------------------------------------------------------------------- GPU (V4-Flash)
