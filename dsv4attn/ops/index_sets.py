@@ -31,8 +31,10 @@ class IndexSet(ABC):
     bound: int | None = None        # host int > every valid row the set yields; None = unknown
 
     @abstractmethod
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        """(end - start, width) int64 key rows of queries start..end-1, -1 for empty slots."""
+    def rows(self, start: int, end: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """(end - start, width) ``dtype`` key rows of queries start..end-1, -1 for empty slots. The work is done in
+        ``dtype``: int32 (what the kernels take) halves the bytes of every pass and needs no conversion after;
+        every row and entry of the library's sets fits it."""
 
     def materialize(self) -> torch.Tensor:
         """The whole (T, width) int64 tensor (tests and small batches only)."""
@@ -48,8 +50,8 @@ class Explicit(IndexSet):
         self.total_rows, self.width = indices.shape
         self.bound = None if bound is None else bound + offset
 
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        idx = self.indices[start:end].long()
+    def rows(self, start: int, end: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        idx = self.indices[start:end].to(dtype)
         return torch.where(idx >= 0, idx + self.offset, idx) if self.offset else idx
 
 
@@ -59,9 +61,9 @@ class Window(IndexSet):
         self.bound = pack.total_rows
         self._start = pack.window_start(window)
 
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        row = torch.arange(start, end, device=self._start.device)
-        idx = self._start[start:end, None] + torch.arange(self.width, device=row.device)
+    def rows(self, start: int, end: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        row = torch.arange(start, end, device=self._start.device, dtype=dtype)
+        idx = self._start[start:end, None].to(dtype) + torch.arange(self.width, device=row.device, dtype=dtype)
         valid = (idx <= row[:, None]) & self.pack.row_is_real[start:end, None]
         return torch.where(valid, idx, -1)
 
@@ -72,12 +74,12 @@ class VisibleCompressed(IndexSet):
         self.width = layout.max_per_doc
         self.bound = layout.capacity + offset          # real entries only, all below the capacity
 
-    def rows(self, start: int, end: int) -> torch.Tensor:
+    def rows(self, start: int, end: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         # Two passes over the (rows, width) result: these sets are the widest (max_seqlen / r slots per row).
         lay = self.layout
-        j = torch.arange(self.width, device=lay.row_first_entry.device)
+        j = torch.arange(self.width, device=lay.row_first_entry.device, dtype=dtype)
         valid = j[None, :] < lay.row_visible[start:end, None]
-        return torch.where(valid, lay.row_first_entry[start:end, None] + (j + self.offset), -1)
+        return torch.where(valid, lay.row_first_entry[start:end, None].to(dtype) + (j + self.offset), -1)
 
 
 class Rows(IndexSet):
@@ -94,11 +96,11 @@ class Rows(IndexSet):
             bound = base.bound
         self.bound = None if bound is None else bound + shift
 
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        idx = self.base.rows(start + self.row_offset, end + self.row_offset)
+    def rows(self, start: int, end: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        idx = self.base.rows(start + self.row_offset, end + self.row_offset, dtype)
         if self.table is None and self.shift == 0:         # one device: the local rows are the global ones
             return idx
-        mapped = idx if self.table is None else self.table[idx.clamp(min=0)].long()
+        mapped = idx if self.table is None else self.table[idx.clamp(min=0)].to(dtype)
         return torch.where(idx >= 0, mapped + self.shift if self.shift else mapped, -1)
 
 
@@ -109,8 +111,8 @@ class Concat(IndexSet):
         self.width = sum(p.width for p in parts)
         self.bound = _largest_bound(parts)
 
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        return torch.cat([p.rows(start, end) for p in self.parts], dim=1)
+    def rows(self, start: int, end: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.cat([p.rows(start, end, dtype) for p in self.parts], dim=1)
 
 
 class Stack(IndexSet):
@@ -123,14 +125,17 @@ class Stack(IndexSet):
         self.width = max(p.width for p in parts)
         self.bound = _largest_bound(parts)
 
-    def rows(self, start: int, end: int) -> torch.Tensor:
+    def rows(self, start: int, end: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         pieces, offset = [], 0
         for part in self.parts:
             lo, hi = max(start, offset), min(end, offset + part.total_rows)
             if lo < hi:
-                idx = part.rows(lo - offset, hi - offset)
+                idx = part.rows(lo - offset, hi - offset, dtype)
                 pieces.append(torch.nn.functional.pad(idx, (0, self.width - idx.shape[1]), value=-1))
             offset += part.total_rows
+        if not pieces:                  # an empty row range (a batch of no rows): no part holds it
+            idx = self.parts[0].rows(0, 0, dtype)
+            return idx.new_full((0, self.width), -1)
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
@@ -146,8 +151,8 @@ class _Masked(IndexSet):
     def __init__(self, base: IndexSet, rows: int):
         self.base, self.width, self.total_rows, self.bound = base, base.width, base.total_rows, rows
 
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        idx = self.base.rows(start, end)
+    def rows(self, start: int, end: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        idx = self.base.rows(start, end, dtype)
         return torch.where(idx < self.bound, idx, -1)
 
 

@@ -46,6 +46,28 @@ def test_bounds_hold_and_within_trusts_only_proven_sets():
     assert int(clipped.max()) == 19
 
 
+def test_rows_in_int32_equal_the_int64_rows():
+    """What the kernels take (int32, every pass done in it) equals the int64 rows of every kind of set: a window with
+    padding rows, every visible entry (plain, offset), a top-k with an offset, mapped Rows views, Concat, Stack and a
+    masked set; whole and by chunks."""
+    from dsv4attn.ops.sparse_attention.op import _FirstSlots
+    pack = pack_batch(torch.tensor([0, 9, 9, 30], dtype=torch.int32), 36, 21)
+    layout = pack.compressed(4)
+    window, visible = Window(pack, 5), VisibleCompressed(layout, 36, offset=36)
+    topk = Explicit(torch.randint(-1, layout.capacity, (36, 3), generator=torch.Generator().manual_seed(0),
+                                  dtype=torch.int32), offset=36, bound=layout.capacity)
+    table = torch.randperm(layout.capacity, generator=torch.Generator().manual_seed(1))
+    sets = [window, visible, topk, Concat(window, topk), Concat(window, visible),
+            Rows(VisibleCompressed(layout, 36), 3, 30, shift=11, table=table),
+            Stack(Rows(window, 0, 13, shift=4), Rows(visible, 13, 23)), within(window, 20), within(topk, 40),
+            _FirstSlots(Concat(window, topk), torch.arange(36) % 9)]
+    for index_set in sets:
+        for start, end in ((0, index_set.total_rows), (0, 1), (4, 11), (11, index_set.total_rows), (5, 5)):
+            narrow = index_set.rows(start, end, torch.int32)
+            assert narrow.dtype == torch.int32, type(index_set).__name__
+            assert torch.equal(narrow.long(), index_set.rows(start, end)), (type(index_set).__name__, start, end)
+
+
 def test_within_masks_explicit_sets_keeping_them_explicit():
     e = Explicit(torch.tensor([[0, 3, -1, 9], [2, -3, 5, 4]]), offset=2)
     masked = within(e, 6)                                     # rows 2 + v < 6: v in {0, 3, 2}; 5 and 4 and 9 go

@@ -1017,9 +1017,9 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
     if not isinstance(candidates, Explicit):   # no ranges: materialised whole, as int32 one chunk of rows at a time
         idx = torch.empty(index_q.shape[0], candidates.width, dtype=torch.int32, device=index_q.device)
         for s, e in chunk_rows(index_q.shape[0], candidates.width, budget=INDEX_BUDGET):
-            idx[s:e] = candidates.rows(s, e)
+            idx[s:e] = candidates.rows(s, e, torch.int32)
         candidates = Explicit(idx)
-    idx = candidates.rows(0, candidates.total_rows) if candidates.offset else candidates.indices
+    idx = candidates.rows(0, candidates.total_rows, torch.int32) if candidates.offset else candidates.indices
     # Given student scores always save dKL/dI (G is their size): a backward recomputing the teacher would form the
     # student from the dots again, not from the given scores its forward used.
     save_g = (candidates.width <= SAVE_G_MAX_WIDTH or student_scores is not None) and grads

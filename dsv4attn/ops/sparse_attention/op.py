@@ -156,7 +156,7 @@ def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: boo
             # q whole, or split (its backward is one concatenation): a slice q[s:e] costs its backward a zero-filled
             # copy of the whole of q per chunk, 2 GiB each at T = 32K with 64 heads of 512, even for q[0:T].
             pieces = [q] if len(chunks) == 1 else q.split([e - s for s, e in chunks])
-            parts = [sparse_attention_op(piece, kv, index_set.rows(s, e).to(torch.int32), attn_sink, scale, None,
+            parts = [sparse_attention_op(piece, kv, index_set.rows(s, e, torch.int32), attn_sink, scale, None,
                                          deterministic, impl, None if positions is None else positions[s:e],
                                          inv_freq)
                      for piece, (s, e) in zip(pieces, chunks)]
@@ -174,8 +174,8 @@ class _FirstSlots(IndexSet):
         self.base, self.lengths = base, lengths
         self.width, self.total_rows, self.bound = base.width, base.total_rows, base.bound
 
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        return limit_slots(self.base.rows(start, end), self.lengths[start:end])
+    def rows(self, start: int, end: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return limit_slots(self.base.rows(start, end, dtype), self.lengths[start:end])
 
 
 __all__ = ["sparse_attention_op", "sparse_attention_backward_op", "limit_slots", "run", "register_triton", "IMPLS"]
