@@ -9,7 +9,8 @@ builds it once for all its layers; the upstream gradient is drawn once per case 
 kernels count as the layer's; the allocator's cache is emptied once per case, before the warm-up run, not before each
 timed run (a training loop keeps its cache warm). ``peak reserved`` is the caching allocator's peak (what the process
 held from the driver); ``live before`` is the memory still allocated when the case starts (after garbage
-collection): anything but the inputs there means the previous case leaked. ``doc`` is the document length
+collection): the inputs, the upstream gradient and the pack with the layouts it caches (built in the first case's
+warm-up run, reused by the later ones); more than that means the previous case leaked. ``doc`` is the document length
 (``--doc-len``; the batch is T / doc documents back to back).
 
 ``--breakdown`` records the arguments of every op call the timed step makes (compressor pooling, indexer top-k,

@@ -1,7 +1,8 @@
 """Per-query key index sets, produced chunk by chunk so that no (T, T)-sized tensor ever exists.
 
-An index set answers ``rows(start, end) -> (end - start, width) int64``: for each query row in ``[start, end)``
-the rows of a key tensor it may attend to, ``-1`` for an empty slot. Order inside a row does not matter (one
+An index set answers ``rows(start, end, dtype=torch.int64) -> (end - start, width) dtype``: for each query row in
+``[start, end)`` the rows of a key tensor it may attend to, ``-1`` for an empty slot (the kernels ask for int32, and
+a subclass must take ``dtype`` too). Order inside a row does not matter (one
 softmax over the set); a repeated index counts once per occurrence. Sets combine with :class:`Concat` (disjoint key
 ranges, e.g. raw window rows followed by compressed rows at an offset) and :class:`Stack` (consecutive query ranges).
 
@@ -51,7 +52,12 @@ class Explicit(IndexSet):
         self.bound = None if bound is None else bound + offset
 
     def rows(self, start: int, end: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        idx = self.indices[start:end].to(dtype)
+        idx = self.indices[start:end]
+        if torch.iinfo(idx.dtype).bits > torch.iinfo(dtype).bits:
+            # A value the narrower dtype cannot hold is no row of any key tensor: an empty slot (as rows past a
+            # bound, :func:`within`), never wrapped into a row that exists.
+            idx = torch.where((idx < 0) | (idx > torch.iinfo(dtype).max - self.offset), -1, idx)
+        idx = idx.to(dtype)
         return torch.where(idx >= 0, idx + self.offset, idx) if self.offset else idx
 
 

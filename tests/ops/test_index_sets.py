@@ -68,6 +68,13 @@ def test_rows_in_int32_equal_the_int64_rows():
             assert torch.equal(narrow.long(), index_set.rows(start, end)), (type(index_set).__name__, start, end)
 
 
+def test_rows_narrowed_to_int32_never_wrap_a_value_into_a_row():
+    """An int64 value int32 cannot hold (after the offset) is an empty slot in the int32 rows, not a wrapped row."""
+    e = Explicit(torch.tensor([[2 ** 32 + 5, 3, -1, 2 ** 31 - 2, -2 ** 32 + 7]]), offset=2)
+    assert e.rows(0, 1, torch.int32).tolist() == [[-1, 5, -1, -1, -1]]
+    assert within(Concat(e, e), 10).rows(0, 1, torch.int32).tolist() == [[-1, 5, -1, -1, -1] * 2]
+
+
 def test_within_masks_explicit_sets_keeping_them_explicit():
     e = Explicit(torch.tensor([[0, 3, -1, 9], [2, -3, 5, 4]]), offset=2)
     masked = within(e, 6)                                     # rows 2 + v < 6: v in {0, 3, 2}; 5 and 4 and 9 go

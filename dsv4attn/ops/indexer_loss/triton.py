@@ -494,8 +494,10 @@ def _range_rows_kernel(FIRST, VISIBLE, TABLE, OUT, shift, width, HAS_TABLE: tl.c
 
 def range_rows_triton(first: torch.Tensor, visible: torch.Tensor, table: torch.Tensor | None, shift: int, width: int,
                       start: int, end: int) -> torch.Tensor:
-    """:func:`index_sets.range_rows` (its reference twin) in int32 by one kernel: the torch form makes five passes
+    """:func:`index_sets.range_rows` (its reference twin) in int32 by one kernel: the torch form makes four passes
     over the (rows, width) slots (the entries, the mask, the shift, the select), this one writes them once."""
+    first, visible = first.contiguous(), visible.contiguous()           # the kernel reads them with stride 1
+    table = None if table is None else table.contiguous()
     out = torch.empty(end - start, width, dtype=torch.int32, device=first.device)
     if out.numel():
         block = min(1024, triton.next_power_of_2(width))
