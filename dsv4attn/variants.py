@@ -136,7 +136,7 @@ def explain(op: str, pass_: str, device) -> list[tuple[str, bool, str]]:
     return out
 
 
-def _gluon_build_error(exc: Exception) -> bool:
+def gluon_build_error(exc: Exception) -> bool:
     """Errors that mean "this Triton cannot build the Gluon kernel" (compile, ptxas, resources, MLIR passes)."""
     from triton.runtime.errors import TritonError
     return isinstance(exc, TritonError) or (isinstance(exc, RuntimeError) and "PassManager" in str(exc))
@@ -147,7 +147,7 @@ def note_gluon_build_failure(exc: Exception, op: str, pass_: str, key, instead: 
     records it in :data:`FAILED` (so that "auto" does not try again) and warns once, naming the kernel and the
     installed Triton. Gluon is experimental and changes between Triton releases: a Triton that cannot build a
     kernel gets the Triton path instead."""
-    if not _gluon_build_error(exc):
+    if not gluon_build_error(exc):
         raise exc
     import triton
     FAILED[(op, pass_, key)] = f"{type(exc).__name__}: {exc}"

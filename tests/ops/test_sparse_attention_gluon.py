@@ -264,6 +264,71 @@ def test_teacher_range_form_equals_gathering(H, N, D, K, dtype, config):
     assert torch.all(mass[:3] == 0) and bool((mass[idx >= 0] > 0).all())
 
 
+class _StubKernel:
+    """A jit kernel's launch stand-in: records its name; raises ``error`` for the D values in ``failing``."""
+
+    def __init__(self, name, calls, error=None, failing=()):
+        self.name, self.calls, self.error, self.failing = name, calls, error, failing
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.calls.append(self.name)
+            if self.error is not None and meta["D"] in self.failing:
+                raise self.error
+        return launch
+
+
+def _stub_teacher_kernels(monkeypatch, error):
+    from dsv4attn.ops import gluon_common
+    if not gluon_common.IMPORTED:
+        pytest.skip("this Triton has no Gluon: the teacher launchers cannot form TMA descriptors")
+    calls = []
+    monkeypatch.setattr(gluon_hopper, "RANGE_FORM_FAILED", {})
+    monkeypatch.setattr(variants, "_mode", "auto")
+    for name in ("mass", "lse"):
+        monkeypatch.setattr(gluon_hopper, f"_teacher_{name}_gluon", _StubKernel(f"{name} gathering", calls))
+        monkeypatch.setattr(gluon_hopper, f"_teacher_{name}_ranges_gluon",
+                            _StubKernel(f"{name} ranges", calls, error, failing=(128,)))
+    return calls
+
+
+def _teacher_calls(D):
+    q, ckv = torch.zeros(2, 64, D, dtype=torch.bfloat16), torch.zeros(5, D, dtype=torch.bfloat16)
+    idx, first = torch.tensor([[0, 1], [1, -1]], dtype=torch.int32), torch.tensor([0, 1])
+    lse = gluon_hopper.teacher_lse(q, ckv, idx, 0.1, first=first)
+    gluon_hopper.teacher_mass(q, ckv, idx, torch.zeros_like(lse), 0.1, first=first)
+
+
+def test_teacher_range_form_build_failure_falls_back_to_gathering_once(monkeypatch):
+    """A range form this Triton cannot build: one warning naming it, the shape and the Triton, then the gathering
+    kernels for that D and dtype (the range form not tried again); another D still takes the range form."""
+    calls = _stub_teacher_kernels(monkeypatch, PTXASError("this Triton cannot build the range form"))
+    built = r"range form \(TMA\) could not be built for D=128 torch.bfloat16 by Triton " + re.escape(triton.__version__)
+    with pytest.warns(RuntimeWarning, match=built):
+        _teacher_calls(128)
+    assert calls == ["lse ranges", "lse gathering", "mass gathering"]
+    calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                     # no second warning
+        _teacher_calls(128)
+        _teacher_calls(256)
+    assert calls == ["lse gathering", "mass gathering", "lse ranges", "mass ranges"]
+    assert list(gluon_hopper.RANGE_FORM_FAILED) == [(128, torch.bfloat16)]
+
+
+def test_teacher_range_form_errors_that_are_not_build_failures_propagate(monkeypatch):
+    calls = _stub_teacher_kernels(monkeypatch, ValueError("a bug, not a build failure"))
+    with pytest.raises(ValueError, match="a bug"):
+        _teacher_calls(128)
+    assert calls == ["lse ranges"] and gluon_hopper.RANGE_FORM_FAILED == {}
+    calls.clear()
+    calls = _stub_teacher_kernels(monkeypatch, PTXASError("this Triton cannot build the range form"))
+    monkeypatch.setattr(variants, "_mode", "gluon")        # the Gluon kernels asked for: a build failure raises
+    with pytest.raises(PTXASError, match="cannot build"):
+        _teacher_calls(128)
+    assert gluon_hopper.RANGE_FORM_FAILED == {}
+
+
 def test_teacher_kernels_refuse_odd_rings():
     q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
     for stages in (1, 3):

@@ -34,7 +34,8 @@ Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_
 :func:`teacher_mass` reuses the producer and ring for the indexer KL's teacher mass (two independent consumers), and
 :func:`teacher_lse` for each head's LSE over the candidates (the warm-up teacher's full denominators: two consumer
 parts combined by logaddexp). Given ``first`` (each row's candidates consecutive kv rows: the warm-up's every
-visible entry on one device) both take their range form, whose producer loads q and each block by TMA instead.
+visible entry on one device) both take their range form, whose producer loads q and each block by TMA instead
+(where this Triton cannot build it: one warning, then the gathering kernels, :func:`_launch_teacher`).
 
 No cross-warpgroup reductions: each block's softmax lives in one warpgroup (rows reduce inside a quad of threads).
 Gluon kernels run only on the GPU (no interpreter): the tests compare this kernel with the float64 reference on the
@@ -42,11 +43,14 @@ H200; CPU runs use the Triton kernel or the reference. :func:`available` says wh
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..gluon_common import (BLOCK_H, IMPORTED, TensorDescriptor, async_copy, copy_heads, fence_async_shared, gl, gluon,
                             half_precision, mbarrier, mbarriers, program_row, ring_gather, rotate_channel_pairs,
                             row_blocks, sm90, store_heads, tma_load, warpgroup_mma, warpgroup_mma_wait)
+from ... import variants
 from ..index_sets import row_ends
 
 LOG2E = 1.4426950408889634
@@ -474,13 +478,45 @@ def _range_descs(q, compressed_kv, block_n: int):
                                          gl.NVMMASharedLayout.get_default_for([block_n, D], dt)))
 
 
+# (D, dtype) -> why this process's Triton could not build the teacher kernels' range form: the gathering kernels
+# (the same values, by cp.async gathers instead of TMA copies) serve those shapes from then on.
+RANGE_FORM_FAILED: dict = {}
+
+
 def _teacher_sources(q, compressed_kv, candidates, cfg: dict, first):
     """(range form?, the kernel's leading arguments): with ``first`` the range form's TMA descriptors, else (and
-    for tensors whose base is not 16-byte aligned, which TMA needs) the gathering kernels' pointers."""
+    for tensors whose base is not 16-byte aligned, which TMA needs, or shapes whose range form failed to build)
+    the gathering kernels' pointers."""
     q, compressed_kv = q.contiguous(), compressed_kv.contiguous()
-    if first is None or q.data_ptr() % 16 or compressed_kv.data_ptr() % 16:
+    if (first is None or q.data_ptr() % 16 or compressed_kv.data_ptr() % 16
+            or (q.shape[2], q.dtype) in RANGE_FORM_FAILED):
         return False, (q, compressed_kv, candidates)
     return True, (*_range_descs(q, compressed_kv, cfg["BLOCK_N"]), first.to(torch.int32).contiguous(), candidates)
+
+
+def _launch_teacher(gathering, ranges, q, compressed_kv, candidates, cfg: dict, first, *rest):
+    """One teacher kernel over q's rows: its range form where ``first`` allows it (:func:`_teacher_sources`), else
+    the gathering kernel. A range form this Triton cannot build (Gluon's TMA API moves between releases) warns once
+    for the shape and falls back to gathering; other errors, and any error with the Gluon kernels asked for
+    (``DSV4ATTN_KERNELS=gluon``), propagate."""
+    T, H, D = q.shape
+    grid = (T * (H // BLOCK_H),)
+    meta = dict(D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
+    range_form, sources = _teacher_sources(q, compressed_kv, candidates, cfg, first)
+    if range_form:
+        try:
+            ranges[grid](*sources, *rest, **meta)
+            return
+        except Exception as exc:
+            if not variants.gluon_build_error(exc) or variants.strict():
+                raise
+            import triton
+            RANGE_FORM_FAILED[(D, q.dtype)] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"dsv4attn: the Gluon teacher kernels' range form (TMA) could not be built for D={D} "
+                          f"{q.dtype} by Triton {triton.__version__} ({type(exc).__name__}: {str(exc)[:500]}); "
+                          "the gathering teacher kernels serve it", RuntimeWarning, stacklevel=3)
+        sources = (q.contiguous(), compressed_kv.contiguous(), candidates)
+    gathering[grid](*sources, *rest, **meta)
 
 
 def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None, n_end=None, first=None):
@@ -498,11 +534,9 @@ def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None, n_e
     # Zeros: the slots past a row's last valid one are not written.
     planes = torch.zeros(H // BLOCK_H, T, K, dtype=torch.float32, device=q.device)
     if T and K:
-        range_form, sources = _teacher_sources(q, compressed_kv, candidates, cfg, first)
-        (_teacher_mass_ranges_gluon if range_form else _teacher_mass_gluon)[(T * (H // BLOCK_H),)](
-            *sources, row_ends(candidates) if n_end is None else n_end,
-            full_lse.float().contiguous(), planes, H, K, scale,
-            D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
+        _launch_teacher(_teacher_mass_gluon, _teacher_mass_ranges_gluon, q, compressed_kv, candidates, cfg, first,
+                        row_ends(candidates) if n_end is None else n_end, full_lse.float().contiguous(), planes, H,
+                        K, scale)
     return planes[0] if planes.shape[0] == 1 else planes.sum(0)
 
 
@@ -517,8 +551,6 @@ def teacher_lse(q, compressed_kv, candidates, scale, config=None, n_end=None, fi
     if T == 0 or K == 0:
         return torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     parts = torch.empty(2, T, H, dtype=torch.float32, device=q.device)
-    range_form, sources = _teacher_sources(q, compressed_kv, candidates, cfg, first)
-    (_teacher_lse_ranges_gluon if range_form else _teacher_lse_gluon)[(T * (H // BLOCK_H),)](
-        *sources, row_ends(candidates) if n_end is None else n_end, parts, H, K, scale * LOG2E,
-        D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
+    _launch_teacher(_teacher_lse_gluon, _teacher_lse_ranges_gluon, q, compressed_kv, candidates, cfg, first,
+                    row_ends(candidates) if n_end is None else n_end, parts, H, K, scale * LOG2E)
     return torch.logaddexp(parts[0], parts[1])
