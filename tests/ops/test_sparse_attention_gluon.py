@@ -9,6 +9,7 @@ still differ in the last bits. The dispatch tests at the end run on any machine 
 """
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 
@@ -265,13 +266,16 @@ def test_teacher_range_form_equals_gathering(H, N, D, K, dtype, config):
 
 
 class _StubKernel:
-    """A jit kernel's launch stand-in: records its name; raises ``error`` for the D values in ``failing``."""
+    """A jit kernel's launch stand-in: checks that the arguments bind to the ``real`` kernel's parameters, records its
+    name, raises ``error`` for the D values in ``failing``."""
 
-    def __init__(self, name, calls, error=None, failing=()):
-        self.name, self.calls, self.error, self.failing = name, calls, error, failing
+    def __init__(self, name, real, calls, error=None, failing=()):
+        real = getattr(real, "real", real)                   # stubbed twice in one test: the kernel below
+        self.name, self.real, self.calls, self.error, self.failing = name, real, calls, error, failing
 
     def __getitem__(self, grid):
         def launch(*args, **meta):
+            inspect.signature(self.real.fn).bind(*args, **meta)       # the launch the real kernel would get
             self.calls.append(self.name)
             if self.error is not None and meta["D"] in self.failing:
                 raise self.error
@@ -286,9 +290,11 @@ def _stub_teacher_kernels(monkeypatch, error):
     monkeypatch.setattr(gluon_hopper, "RANGE_FORM_FAILED", {})
     monkeypatch.setattr(variants, "_mode", "auto")
     for name in ("mass", "lse"):
-        monkeypatch.setattr(gluon_hopper, f"_teacher_{name}_gluon", _StubKernel(f"{name} gathering", calls))
-        monkeypatch.setattr(gluon_hopper, f"_teacher_{name}_ranges_gluon",
-                            _StubKernel(f"{name} ranges", calls, error, failing=(128,)))
+        gathering, ranges = f"_teacher_{name}_gluon", f"_teacher_{name}_ranges_gluon"
+        monkeypatch.setattr(gluon_hopper, gathering,
+                            _StubKernel(f"{name} gathering", getattr(gluon_hopper, gathering), calls))
+        monkeypatch.setattr(gluon_hopper, ranges, _StubKernel(f"{name} ranges", getattr(gluon_hopper, ranges), calls,
+                                                               error, failing=(128,)))
     return calls
 
 
