@@ -515,7 +515,7 @@ def _launch_teacher(gathering, ranges, q, compressed_kv, candidates, cfg: dict, 
             warnings.warn(f"dsv4attn: the Gluon teacher kernels' range form (TMA) could not be built for D={D} "
                           f"{q.dtype} by Triton {triton.__version__} ({type(exc).__name__}: {str(exc)[:500]}); "
                           "the gathering teacher kernels serve it", RuntimeWarning, stacklevel=3)
-        sources = (q.contiguous(), compressed_kv.contiguous(), candidates)
+        _, sources = _teacher_sources(q, compressed_kv, candidates, cfg, first)     # now the gathering form
     gathering[grid](*sources, *rest, **meta)
 
 

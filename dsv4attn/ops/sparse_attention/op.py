@@ -156,9 +156,10 @@ def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: boo
             # q whole, or split (its backward is one concatenation): a slice q[s:e] costs its backward a zero-filled
             # copy of the whole of q per chunk, 2 GiB each at T = 32K with 64 heads of 512, even for q[0:T].
             pieces = [q] if len(chunks) == 1 else q.split([e - s for s, e in chunks])
-            parts = [sparse_attention_op(piece, kv, index_set.rows(s, e, torch.int32).to(torch.int32), attn_sink, scale, None,
-                                         deterministic, impl, None if positions is None else positions[s:e],
-                                         inv_freq)
+            # int32 asked for and formed directly; .to() is free then, and keeps a subclass that ignores dtype safe.
+            parts = [sparse_attention_op(piece, kv, index_set.rows(s, e, torch.int32).to(torch.int32), attn_sink,
+                                         scale, None, deterministic, impl,
+                                         None if positions is None else positions[s:e], inv_freq)
                      for piece, (s, e) in zip(pieces, chunks)]
             if len(parts) == 1:
                 return parts[0]
