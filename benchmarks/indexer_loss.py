@@ -202,7 +202,7 @@ def sweep(T: int, log) -> None:
             bench(T, "sparse", log, False, config=cfg, tag=f" fwd {cfg}")
         except Exception as exc:                                           # noqa: BLE001 - report and go on
             log(f"sweep fwd {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}")
-    for cfg in (_cfg(b, SPLIT_DX=False), _cfg(b, BLOCK_N=32), _cfg(b, BLOCK_N=128), _cfg(b, num_warps=4),
+    for cfg in (_cfg(b, BLOCK_N=32), _cfg(b, BLOCK_N=128), _cfg(b, num_warps=4),
                 _cfg(b, num_stages=3)):
         try:
             bench(T, "sparse", log, False, bwd_config=cfg, tag=f" bwd {cfg}")

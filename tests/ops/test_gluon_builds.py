@@ -83,7 +83,7 @@ def gluon_kernels():
         ("indexer_scores_table", scores._indexer_orders_gluon, score_sig, score_consts[True]),
         ("kl_bwd", kl._indexer_kl_bwd_gluon,
          dict(QI=bf, KI=bf, W_=f32, IDX=i32, NEND=i32, G=f32, GRAD=f32, DQI=bf, DKI=f32, DW=f32, K="i32"),
-         dict(BLOCK_N=kl.BLOCK_N, STAGES=kl_cfg["STAGES"], SPLIT=True, num_warps=4,
+         dict(BLOCK_N=kl.BLOCK_N, STAGES=kl_cfg["STAGES"], num_warps=4,
               REGS=tuple(kl_cfg["REGS"]))),
     ]
 

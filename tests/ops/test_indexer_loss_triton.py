@@ -1077,4 +1077,4 @@ def test_gluon_backward_config_is_checked():
                        (dict(BLOCK_N=32), r"unknown keys \['BLOCK_N'\]"),      # fixed at 64 (the dki product's M)
                        (dict(STAGES=3), "STAGES must be even and >= 2, got 3")):
         with pytest.raises(ValueError, match=match):
-            gluon_kl.launch_bwd(*([None] * 10), split=True, config=bad)
+            gluon_kl.launch_bwd(*([None] * 10), config=bad)

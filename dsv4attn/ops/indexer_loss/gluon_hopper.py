@@ -5,12 +5,12 @@ Contract (that of ``triton._indexer_kl_bwd_kernel`` with ``HAS_G``): ``qi (T, 64
 of one dtype, ``w (T, 64)`` fp32, ``idx (T, K)`` int32 (-1 = empty), ``n_end (T,)`` int32 (a row's last valid slot
 + 1), ``grad (T,)`` fp32, ``g (T, K)`` fp32 = dKL/dI per slot. With ``x = qi[t] ki[idx]^T`` (64 heads x slots) and
 ``d = g[t] * grad[t]``: ``dw[t] = sum_slots relu(x) d`` (fp32), ``dx = (x > 0) w d``, ``dqi[t] = dx ki`` (rounded to
-qi's dtype) and ``dki[idx] += dx^T qi[t]`` (fp32 atomics, relaxed). For bf16/fp16 inputs dx enters both products as
-hi + lo parts in the input dtype (as ``SPLIT_DX`` in the Triton kernel: ~16 mantissa bits instead of 8).
+qi's dtype) and ``dki[idx] += dx^T qi[t]`` (fp32 atomics, relaxed). dx enters both products rounded to the input
+dtype (as in the Triton kernel and the reference).
 
 Layout: one program per query row, three warpgroups: a producer gathers BLOCK_N = 64 key rows per tile into a ring
 (qi resident); consumer W takes tiles W, W + 2, ... on its own: x (wgmma, M = 64 heads, N = 64 slots, K = 128), dx
-and its hi / lo parts to its shared-memory buffers, dq += dx ki (M = 64 heads, N = 128, K = 64 slots) and the
+rounded to its shared-memory buffer, dq += dx ki (M = 64 heads, N = 128, K = 64 slots) and the
 tile's dki rows dx^T qi (M = 64 slots, N = 128 dims, K = 64 heads), added to an fp32 accumulator with 16-byte
 reductions over whole 128-byte lines (``gluon_common.add_reduced``; its column permutation is undone after the
 kernel); at the end consumer 1 hands its dq and dw partial sums to consumer 0 through shared memory, which stores
@@ -76,9 +76,8 @@ if IMPORTED:
         async_copy.wait_group(0)
 
     @gluon.jit
-    def _kl_consumer(W_, IDX, G, GRAD, DQI, DKI, DW, K, t, n_end, qi_all, ring, dx_hi, dx_lo, dq_part, dw_part,
-                     full, empty, handed, W: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     SPLIT: gl.constexpr):
+    def _kl_consumer(W_, IDX, G, GRAD, DQI, DKI, DW, K, t, n_end, qi_all, ring, dx_smem, dq_part, dw_part,
+                     full, empty, handed, W: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         x_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -111,18 +110,12 @@ if IMPORTED:
             relu = gl.maximum(x, 0.0)
             dw += gl.sum(relu * d[None, :], 1)
             dx = gl.where(x > 0, w[:, None] * d[None, :], 0.0)
-            hi = dx.to(dx_hi.dtype)
-            dx_hi.index(W + z).store(hi)
-            if SPLIT:
-                dx_lo.index(W + z).store((dx - hi.to(gl.float32)).to(dx_lo.dtype))
+            dx_smem.index(W + z).store(dx.to(dx_smem.dtype))
             fence_async_shared()
             # dki rows = dx^T qi: M = the tile's 64 slots, so that the result is whole dki rows (line-wide
             # reductions; as (dims, slots) each warp's reductions were 4-byte pieces of eight rows).
-            dq = warpgroup_mma(dx_hi.index(W + z), keys, dq)
-            dk = warpgroup_mma(dx_hi.index(W + z).permute((1, 0)), qi_all.index(z), dk_zero, use_acc=False)
-            if SPLIT:
-                dq = warpgroup_mma(dx_lo.index(W + z), keys, dq)
-                dk = warpgroup_mma(dx_lo.index(W + z).permute((1, 0)), qi_all.index(z), dk)
+            dq = warpgroup_mma(dx_smem.index(W + z), keys, dq)
+            dk = warpgroup_mma(dx_smem.index(W + z).permute((1, 0)), qi_all.index(z), dk_zero, use_acc=False)
             mbarrier.arrive(empty.index(stage))
             ok = idx_red >= 0
             add_reduced(dk, DKI, gl.where(ok, idx_red, 0).to(gl.int64) * HEAD_DIM_C, ok, 0)
@@ -143,8 +136,7 @@ if IMPORTED:
 
     @gluon.jit
     def _indexer_kl_bwd_gluon(QI, KI, W_, IDX, NEND, G, GRAD, DQI, DKI, DW, K,
-                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                              num_warps: gl.constexpr, REGS: gl.constexpr):
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr, REGS: gl.constexpr):
         t = gl.program_id(0).to(gl.int64)
         n_end = gl.load(NEND + t)
         dtype: gl.constexpr = QI.dtype.element_ty
@@ -153,8 +145,7 @@ if IMPORTED:
         ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM_C],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_C], dtype))
         dx_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS_C, BLOCK_N], dtype)
-        dx_hi = gl.allocate_shared_memory(dtype, [2, HEADS_C, BLOCK_N], dx_layout)     # one per consumer
-        dx_lo = gl.allocate_shared_memory(dtype, [2, HEADS_C, BLOCK_N], dx_layout)
+        dx_smem = gl.allocate_shared_memory(dtype, [2, HEADS_C, BLOCK_N], dx_layout)     # one per consumer
         dq_part = gl.allocate_shared_memory(gl.float32, [HEADS_C, HEAD_DIM_C],
                                             gl.NVMMASharedLayout.get_default_for([HEADS_C, HEAD_DIM_C], gl.float32))
         dw_part = gl.allocate_shared_memory(gl.float32, [HEADS_C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -162,15 +153,15 @@ if IMPORTED:
         empty = mbarriers(STAGES, 1)
         handed = mbarriers(1, 1)
         gl.warp_specialize([
-            (_kl_consumer, (W_, IDX, G, GRAD, DQI, DKI, DW, K, t, n_end, qi_all, ring, dx_hi, dx_lo, dq_part, dw_part,
-                            full, empty, handed, gl.constexpr(0), BLOCK_N, STAGES, SPLIT)),
-            (_kl_consumer, (W_, IDX, G, GRAD, DQI, DKI, DW, K, t, n_end, qi_all, ring, dx_hi, dx_lo, dq_part, dw_part,
-                            full, empty, handed, gl.constexpr(1), BLOCK_N, STAGES, SPLIT)),
+            (_kl_consumer, (W_, IDX, G, GRAD, DQI, DKI, DW, K, t, n_end, qi_all, ring, dx_smem, dq_part, dw_part,
+                            full, empty, handed, gl.constexpr(0), BLOCK_N, STAGES)),
+            (_kl_consumer, (W_, IDX, G, GRAD, DQI, DKI, DW, K, t, n_end, qi_all, ring, dx_smem, dq_part, dw_part,
+                            full, empty, handed, gl.constexpr(1), BLOCK_N, STAGES)),
             (_kl_producer, (QI, KI, IDX, K, t, n_end, qi_all.index(0), ring, full, empty, BLOCK_N, STAGES))],
             [4, 4], [REGS[0], REGS[1]])
 
 
-def launch_bwd(qi, ki, w, idx, n_end, g, grad, dqi, dki, dw, split: bool, config=None) -> None:
+def launch_bwd(qi, ki, w, idx, n_end, g, grad, dqi, dki, dw, config=None) -> None:
     """Fills ``dqi`` (T, 64, 128) in qi's dtype and ``dw`` (T, 64) fp32, adds to ``dki`` (Nk, 128) fp32 (module
     docstring; contiguous arguments, T >= 1)."""
     unknown = sorted(set(config or {}) - set(CONFIG))
@@ -182,5 +173,5 @@ def launch_bwd(qi, ki, w, idx, n_end, g, grad, dqi, dki, dw, split: bool, config
     acc = torch.zeros_like(dki)                 # d index_k with each 16-column group permuted (add_reduced)
     _indexer_kl_bwd_gluon[(qi.shape[0],)](
         qi, ki, w, idx, n_end, g, grad, dqi, acc, dw, idx.shape[1],
-        BLOCK_N=BLOCK_N, STAGES=cfg["STAGES"], SPLIT=split, num_warps=4, REGS=tuple(cfg["REGS"]))
+        BLOCK_N=BLOCK_N, STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
     add_unpermuted(dki, acc)

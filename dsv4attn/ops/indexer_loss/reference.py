@@ -13,7 +13,8 @@ phase, the selected top-k for the sparse phase)::
 main attention's compressed candidates (the sparse phase), L_h is the attention's own ``logaddexp(lse, sink)`` and
 can be passed instead (``full=True`` / ``indexer_kl(..., full_lse=...)``). Everything is computed in
 fp32 (fp64 for fp64 inputs). Only the student is differentiable (``index_q``, ``index_k``, ``index_weights``);
-the backward uses the closed form ``dKL/dI(j) = Q(j) * sum(T) - T(j)`` on S_t and recomputes chunk by chunk.
+the backward uses the closed form ``dKL/dI(j) = Q(j) * sum(T) - T(j)`` on S_t and recomputes chunk by chunk; the
+gradient of the student dots enters the index_q / index_k products rounded to their dtype (bf16 / fp16 inputs).
 Invalid slots (-1) contribute neither loss nor gradient.
 """
 from __future__ import annotations
@@ -79,6 +80,7 @@ class _IndexerKL(torch.autograd.Function):
     def backward(ctx, grad_kl):
         index_q, index_k, index_weights, q, compressed_kv, outside_lse = ctx.saved_tensors
         cd = torch.promote_types(index_q.dtype, torch.float32)
+        operand_dtype = torch.promote_types(index_q.dtype, index_k.dtype)
         d_q = torch.zeros(index_q.shape, dtype=cd, device=index_q.device)
         d_k = torch.zeros(index_k.shape, dtype=cd, device=index_k.device)
         d_w = torch.zeros(index_weights.shape, dtype=cd, device=index_q.device)
@@ -94,6 +96,10 @@ class _IndexerKL(torch.autograd.Function):
             dots = torch.einsum("chd,ckd->chk", qi, keys_i)
             d_w[s:e] = (d_scores[:, None, :] * torch.relu(dots)).sum(-1)
             d_dots = d_scores[:, None, :] * index_weights[s:e].to(cd)[..., None] * (dots > 0)
+            # Half-precision operands: dx is rounded to their dtype before the two gradient products, as autograd
+            # of a bf16 matmul hands it its incoming gradient and as the kernels feed their tensor cores (the
+            # products themselves are exact, the sums fp32), so the reference's own error counts the same rounding.
+            d_dots = d_dots.to(operand_dtype).to(cd)
             d_q[s:e] = torch.einsum("chk,ckd->chd", d_dots, keys_i)
             d_keys = torch.einsum("chk,chd->ckd", d_dots, qi)
             # Empty slots add an exact 0 to row 0 instead of being selected out: a boolean selection needs the

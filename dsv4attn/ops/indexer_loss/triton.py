@@ -51,9 +51,9 @@ its last bits, and atomics are likely what bounds the backward at long T).
 
 Precision: logits, scores, LSEs and KL in fp32. bf16/fp16 operands feed the tensor cores with fp32 accumulation;
 fp32 operands are multiplied in true fp32 (``input_precision="ieee"``, never tf32). In the backward the fp32 ``dx``
-enters the two gradient matmuls as two parts in the input dtype, hi + lo (``SPLIT_DX``; one rounded part, as
-flash-attention rounds dS, is cheaper but less exact). float64 inputs fall back to the reference. No device->host
-sync: widths are host ints, per-row bounds stay on the device.
+enters the two gradient matmuls rounded to the input dtype, as flash-attention rounds dS and as the reference does
+(a hi + lo pair of bf16 parts cost the backward 1.15-1.18x; BENCHMARKS.md). float64 inputs fall back to the
+reference. No device->host sync: widths are host ints, per-row bounds stay on the device.
 
 Two pairs of registered custom ops (``register_fake`` + ``register_autograd``: gradients to index_q, index_k and
 index_weights only), so that ``torch.compile(fullgraph=True)`` sees one opaque node per direction, in eager and
@@ -97,18 +97,16 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # 64, a warm-up row of 8192 slots took 2 x 128 short steps; BENCHMARKS.md, twenty-first session).
 FWD_CONFIG = dict(BLOCK_N=64, BLOCK_HI=64, BLOCK_D=64, GIVEN_BLOCK_N=1024, num_warps=8, num_stages=2)
 # Backward tiles: every index head in one tile (d index_q accumulates in registers), BLOCK_N candidates per step.
-# SPLIT_DX: for bf16/fp16 inputs, feed dKL/dx to the gradient matmuls as hi + lo parts (two tensor-core dots each):
-# one bf16-rounded dx alone gives d index_k errors ~3.5x the reference's own (final rounding only) on small tests.
 # KERNEL: the saved-gradient backward (the sparse phase), "auto" (:mod:`dsv4attn.variants`: the SM90 Gluon kernel of
 # :mod:`.gluon_hopper` where it applies, bf16/fp16, 64 index heads of 128), "gluon" or "triton" (the Triton kernel).
-BWD_CONFIG = dict(BLOCK_N=64, BLOCK_D=64, SPLIT_DX=True, num_warps=8, num_stages=2, KERNEL="auto")
+BWD_CONFIG = dict(BLOCK_N=64, BLOCK_D=64, num_warps=8, num_stages=2, KERNEL="auto")
 # Rows at most this wide save dKL/dI (fp32, 4 bytes per slot) for the backward; wider rows recompute the teacher.
 SAVE_G_MAX_WIDTH = 1024
 # int32 candidate slots materialised per chunk of query rows (the sparse phase at T = 32K, K = 512: one chunk).
 INDEX_BUDGET = 1 << 25
 # The order in which the ops' ``fwd_tiles`` / ``bwd_tiles`` arguments list a config (custom op schemas take no dicts).
 FWD_KEYS = ("BLOCK_N", "BLOCK_HI", "BLOCK_D", "GIVEN_BLOCK_N", "num_warps", "num_stages")
-BWD_KEYS = ("BLOCK_N", "BLOCK_D", "SPLIT_DX", "num_warps", "num_stages", "KERNEL")
+BWD_KEYS = ("BLOCK_N", "BLOCK_D", "num_warps", "num_stages", "KERNEL")
 
 
 @triton.jit
@@ -390,8 +388,7 @@ def _indexer_kl_bwd_kernel(
     K, qk_scale,
     H: tl.constexpr, D: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_HT: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
-    BLOCK_D: tl.constexpr, HAS_G: tl.constexpr, SPLIT_DX: tl.constexpr, DOT_T: tl.constexpr,
-    DOT_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_G: tl.constexpr, DOT_T: tl.constexpr, DOT_S: tl.constexpr,
 ):
     # Recomputing (not HAS_G): FULL2 holds the natural-log L and the teacher mass is formed as the full form's
     # forward forms it (_mass_natural).
@@ -430,14 +427,9 @@ def _indexer_kl_bwd_kernel(
             d_score = d_score * grad
             dw += tl.sum(tl.maximum(x, 0.0) * d_score[None, :], 1)
             dx = tl.where(x > 0, w[:, None] * d_score[None, :], 0.0)
-            dx_hi = round_to(dx, KI, DOT_S == 2)
-            dq += dot(dx_hi, ki, DOT_S)
-            dk = dot(tl.trans(dx_hi), qi, DOT_S)                             # (BLOCK_N, BLOCK_DI)
-            if SPLIT_DX:
-                # dx = hi + lo, both in the input dtype: the products keep ~16 mantissa bits of dx instead of 8.
-                dx_lo = round_to(dx - dx_hi.to(tl.float32), KI, DOT_S == 2)
-                dq += dot(dx_lo, ki, DOT_S)
-                dk += dot(tl.trans(dx_lo), qi, DOT_S)
+            dx = round_to(dx, KI, DOT_S == 2)
+            dq += dot(dx, ki, DOT_S)
+            dk = dot(tl.trans(dx), qi, DOT_S)                                # (BLOCK_N, BLOCK_DI)
             # Repeated key rows in a block are fine: every element is its own atomic add. Nothing reads DKI before
             # the kernel ends, so relaxed order suffices (the default, acq_rel, also orders each add against the
             # program's other memory operations: 30-45% of the attention backward's time when it was on).
@@ -663,15 +655,13 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
     has_g = g_buf is not None
     meta = dict(H=H, D=D, Hi=Hi, Di=Di, BLOCK_N=cfg["BLOCK_N"], BLOCK_HT=_pow2(H), BLOCK_HI=_pow2(Hi),
                 BLOCK_DI=_pow2(Di), BLOCK_D=min(cfg["BLOCK_D"], _pow2(D)), HAS_G=has_g,
-                SPLIT_DX=bool(cfg.get("SPLIT_DX", True)) and qi.dtype != torch.float32,
                 DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype))
     request = cfg.get("KERNEL", "auto")
     gluon = has_g and variants.choose("indexer_kl", "backward", (Di, qi.dtype), qi, ki, request=request) == "gluon"
     for s, e, idx, n_end in chunks:
         if gluon and e > s:
             try:
-                gluon_kl.launch_bwd(qi[s:e], ki, w[s:e], idx, n_end, g_buf[s:e], grad[s:e], d_qi[s:e], d_ki, d_w[s:e],
-                                    meta["SPLIT_DX"])
+                gluon_kl.launch_bwd(qi[s:e], ki, w[s:e], idx, n_end, g_buf[s:e], grad[s:e], d_qi[s:e], d_ki, d_w[s:e])
                 continue
             except Exception as exc:
                 if variants.strict(request):
