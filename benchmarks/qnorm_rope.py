@@ -5,7 +5,7 @@ Shapes: V4-Flash queries / attention output (T, 64 heads, 512), bf16, rope_dim 6
 positions of four uneven documents plus 77 rows of capacity padding. Both ops are memory-bound; the table reports
 bandwidth over the bytes a single pass must move (N = T * 64 * 512 elements, e bytes each):
 
-    qnorm_rope    fwd: read x, write q = 2 N e        fwd+bwd: + read x, dq, write dx = 5 N e
+    qnorm_rope    fwd: read x, write q = 2 N e        fwd+bwd: + read q, dq, write dx = 5 N e
     inverse_rope  fwd: read x, write out = 2 N e      fwd+bwd: + read dout, write dx = 4 N e
 
 (the fp32 cos / sin table, 1/(8 * 64) of the tensor per op, is not counted) against the device-to-device copy

@@ -16,8 +16,12 @@ through untouched (``tl.where``, not ``* 1 + 0``, so even an infinite partner ca
   rotation by ``SIGN * angle``, one rounding to the output dtype. ``NORM=True, SIGN=+1`` is ``qnorm_rope``;
   ``NORM=False, SIGN=-1`` the output inverse RoPE and ``SIGN=+1`` its backward (the transpose of a rotation is the
   rotation by the opposite angle); ``NORM=False, SIGN=+1`` is also ``rope_rotate`` (the indexer's queries).
-* ``_qnorm_rope_bwd_kernel``: ``dy = R(-angle) dq`` in fp32, ``rstd`` recomputed from ``x`` (it reads the whole row
-  anyway, so nothing but ``x`` is saved), then the RMSNorm backward ``dx = rstd * dy - rstd^3 * x * mean(dy * x)``.
+* ``_qnorm_rope_bwd_kernel``: ``dy = R(-angle) dq`` and ``y = R(-angle) q`` in fp32 from the op's own output ``q``
+  (the normalised rows, rounded once), then the RMSNorm backward ``dx = rstd * (dy - y * mean(dy * y))`` with the
+  forward's per-row ``rstd`` (fp32). So the op keeps its output, which the attention keeps anyway, and an
+  (T * H,) fp32 vector instead of its input ``x``, which is freed after the forward: at T = 32K, 64 heads of 512,
+  2 GiB less held per layer until the backward (the input has no other use: ``q_b_proj``'s backward needs its own
+  input).
 
 Row offsets are int64 (T * H * D passes 2^31 at T = 64K in the Flash geometry). No device->host sync.
 """
@@ -71,15 +75,17 @@ def _cos_sin(COS, SIN, row, col, mask, HEADS: tl.constexpr, D: tl.constexpr, HAL
 
 
 @triton.jit
-def _rope_fwd_kernel(X, COS, SIN, OUT, rows, eps,
+def _rope_fwd_kernel(X, COS, SIN, OUT, RSTD, rows, eps,
                      HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
                      SIGN: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
                      ROUND_BF16: tl.constexpr):
+    # NORM: RSTD (rows,) fp32 receives each row's rstd (the backward's, with the output).
     row, col, mask, offs = _tile(rows, D, BLOCK_ROWS, BLOCK_D)
     y = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if NORM:
         rstd = _rstd(y, eps, D)
         y = y * rstd[:, None]
+        tl.store(RSTD + row, rstd, mask=row < rows)
     if HALF > 0:
         is_rope, cos, s = _cos_sin(COS, SIN, row, col, mask, HEADS, D, HALF)
         if SIGN < 0:
@@ -92,21 +98,26 @@ def _rope_fwd_kernel(X, COS, SIN, OUT, rows, eps,
 
 
 @triton.jit
-def _qnorm_rope_bwd_kernel(X, DQ, COS, SIN, DX, rows, eps,
+def _qnorm_rope_bwd_kernel(Q, RSTD, DQ, COS, SIN, DX, rows,
                            HEADS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16: tl.constexpr):
+    # Q: the forward's output; RSTD: its per-row rstd.
     row, col, mask, offs = _tile(rows, D, BLOCK_ROWS, BLOCK_D)
     dy = tl.load(DQ + offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(Q + offs, mask=mask, other=0.0).to(tl.float32)
     if HALF > 0:
-        # The transpose of the forward rotation: the rotation by -angle, i.e. the partner coefficient negated.
+        # The transpose of the forward rotation: the rotation by -angle, i.e. the partner coefficient negated; the
+        # same rotation takes the output back to the normalised rows y = x * rstd.
         is_rope, cos, s = _cos_sin(COS, SIN, row, col, mask, HEADS, D, HALF)
-        partner = tl.load(DQ + (offs + 1 - 2 * (col % 2)), mask=mask & is_rope, other=0.0).to(tl.float32)
+        partner_offs = offs + 1 - 2 * (col % 2)
+        partner = tl.load(DQ + partner_offs, mask=mask & is_rope, other=0.0).to(tl.float32)
         dy = tl.where(is_rope, dy * cos - partner * s, dy)
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    rstd = _rstd(x, eps, D)
-    mean_dy_x = tl.sum(dy * x, axis=1) / D
-    # d/dx_j of x_i * r with r = (mean(x^2) + eps)^-1/2:  r * dy_j - r^3 * x_j * mean(dy * x)
-    dx = rstd[:, None] * dy - (rstd * rstd * rstd)[:, None] * x * mean_dy_x[:, None]
+        partner = tl.load(Q + partner_offs, mask=mask & is_rope, other=0.0).to(tl.float32)
+        y = tl.where(is_rope, y * cos - partner * s, y)
+    rstd = tl.load(RSTD + row, mask=row < rows, other=0.0)
+    # d/dx_j of x_i * r with r = (mean(x^2) + eps)^-1/2 and y = x * r:  r * (dy_j - y_j * mean(dy * y))
+    mean_dy_y = tl.sum(dy * y, axis=1) / D
+    dx = rstd[:, None] * (dy - y * mean_dy_y[:, None])
     tl.store(DX + offs, round_to(dx, DX, ROUND_BF16), mask=mask)
 
 
@@ -126,63 +137,69 @@ def _table_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
 
 
 def _rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, norm: bool, sign: int,
-              config: dict | None = None) -> torch.Tensor:
-    """The forward kernel on contiguous ``x`` (T, H, D): a new tensor of its shape and dtype."""
+              config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel on contiguous ``x`` (T, H, D): a new tensor of its shape and dtype, and with ``norm`` each
+    row's rstd, (T, H) fp32 (else an empty tensor)."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    rstd = torch.empty(x.shape[:2] if norm else (0, x.shape[1]), dtype=torch.float32, device=x.device)
     if x.numel() == 0:
-        return out
+        return out, rstd
     grid, meta, launch = _launch(x, cos, config or CONFIGS["fwd"])
-    _rope_fwd_kernel[grid](x, *_table_args(x, cos, sin), out, x.shape[0] * x.shape[1], eps, NORM=norm, SIGN=sign,
-                           **meta, **launch)
-    return out
+    _rope_fwd_kernel[grid](x, *_table_args(x, cos, sin), out, rstd if norm else out, x.shape[0] * x.shape[1], eps,
+                           NORM=norm, SIGN=sign, **meta, **launch)
+    return out, rstd
 
 
-def _qnorm_rope_bwd(grad: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+def _qnorm_rope_bwd(grad: torch.Tensor, q: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     config: dict | None = None) -> torch.Tensor:
-    """dx (T, H, D) ``x.dtype`` of ``qnorm_rope`` from the contiguous output gradient ``grad`` (``x.dtype``)."""
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if x.numel() == 0:
+    """dx (T, H, D) in ``q``'s dtype of ``qnorm_rope`` from the contiguous output gradient ``grad``, the output
+    ``q`` and its (T, H) rstd."""
+    dx = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if q.numel() == 0:
         return dx
-    grid, meta, launch = _launch(x, cos, config or CONFIGS["bwd"])
-    _qnorm_rope_bwd_kernel[grid](x, grad, *_table_args(x, cos, sin), dx, x.shape[0] * x.shape[1], eps, **meta,
+    grid, meta, launch = _launch(q, cos, config or CONFIGS["bwd"])
+    _qnorm_rope_bwd_kernel[grid](q, rstd, grad, *_table_args(q, cos, sin), dx, q.shape[0] * q.shape[1], **meta,
                                  **launch)
     return dx
 
 
 @torch.library.custom_op("dsv4attn::qnorm_rope", mutates_args=())
-def qnorm_rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
-    """Triton forward of :func:`dsv4attn.ops.qnorm_rope`: contiguous x (T, H, D), cos / sin (T, rope_dim/2) fp32."""
+def qnorm_rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward of :func:`dsv4attn.ops.qnorm_rope`: contiguous x (T, H, D), cos / sin (T, rope_dim/2) fp32 ->
+    q (T, H, D) in x's dtype and each row's rstd (T, H) fp32 (saved with q for the backward; no gradient)."""
     with backend.exact_math(x.device):
         return _rope_fwd(x, cos, sin, eps, norm=True, sign=1)
 
 
 @qnorm_rope_op.register_fake
 def _qnorm_rope_fake(x, cos, sin, eps):
-    return x.new_empty(x.shape)
+    return x.new_empty(x.shape), x.new_empty(x.shape[:2], dtype=torch.float32)
 
 
 @torch.library.custom_op("dsv4attn::qnorm_rope_backward", mutates_args=())
-def qnorm_rope_backward_op(grad: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           eps: float) -> torch.Tensor:
-    """dx of :func:`qnorm_rope_op` (``x.dtype``), rstd recomputed from ``x``."""
-    with backend.exact_math(x.device):
-        return _qnorm_rope_bwd(grad, x, cos, sin, eps)
+def qnorm_rope_backward_op(grad: torch.Tensor, q: torch.Tensor, rstd: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor) -> torch.Tensor:
+    """dx of :func:`qnorm_rope_op` (``q.dtype``) from its output ``q`` and rstd."""
+    with backend.exact_math(q.device):
+        return _qnorm_rope_bwd(grad, q, rstd, cos, sin)
 
 
 @qnorm_rope_backward_op.register_fake
-def _qnorm_rope_backward_fake(grad, x, cos, sin, eps):
-    return x.new_empty(x.shape)
+def _qnorm_rope_backward_fake(grad, q, rstd, cos, sin):
+    return q.new_empty(q.shape)
 
 
 def _qnorm_rope_setup_context(ctx, inputs, output):
-    x, cos, sin, eps = inputs
-    ctx.save_for_backward(x, cos, sin)
-    ctx.eps = eps
+    _, cos, sin, _ = inputs
+    q, rstd = output
+    ctx.save_for_backward(q, rstd, cos, sin)
+    ctx.mark_non_differentiable(rstd)
 
 
-def _qnorm_rope_backward(ctx, grad):
-    x, cos, sin = ctx.saved_tensors
-    return qnorm_rope_backward_op(grad.to(x.dtype).contiguous(), x, cos, sin, ctx.eps), None, None, None
+def _qnorm_rope_backward(ctx, grad, _grad_rstd):
+    q, rstd, cos, sin = ctx.saved_tensors
+    return qnorm_rope_backward_op(grad.to(q.dtype).contiguous(), q, rstd, cos, sin), None, None, None
 
 
 qnorm_rope_op.register_autograd(_qnorm_rope_backward, setup_context=_qnorm_rope_setup_context)
@@ -192,7 +209,7 @@ qnorm_rope_op.register_autograd(_qnorm_rope_backward, setup_context=_qnorm_rope_
 def rope_rotate_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     """Out-of-place RoPE (``inverse``: by -angle) of contiguous x (T, H, D); a fresh tensor even at rope_dim 0."""
     with backend.exact_math(x.device):
-        return _rope_fwd(x, cos, sin, 0.0, norm=False, sign=-1 if inverse else 1)
+        return _rope_fwd(x, cos, sin, 0.0, norm=False, sign=-1 if inverse else 1)[0]
 
 
 @rope_rotate_op.register_fake
@@ -234,7 +251,7 @@ def qnorm_rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
     if not kernel_supports(x, inv_freq):
         return qnorm_rope_reference(x, positions, inv_freq, eps)
     cos, sin = rope_table(positions, inv_freq)
-    return qnorm_rope_op(x.contiguous(), cos, sin, float(eps))
+    return qnorm_rope_op(x.contiguous(), cos, sin, float(eps))[0]
 
 
 def _rotate_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool,
