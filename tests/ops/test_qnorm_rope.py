@@ -182,6 +182,16 @@ def _worker() -> None:
                 out = public[op](x, positions, inv_freq[: rope_dim // 2])
                 plumbing[f"{op}_rope{rope_dim}_new_storage"] = (
                     out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr())
+        # qnorm_rope keeps its output (and a per-row rstd) for the backward, never its input: the layer's
+        # q_b_proj output is then freed after the forward.
+        leaf = x.detach().clone().requires_grad_(True)
+        source = leaf * 1.0                                     # a non-leaf input, as q_b_proj's output is
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = public["qnorm_rope"](source, positions, inv_freq)
+        storages = {t.untyped_storage().data_ptr() for t in saved}
+        plumbing["qnorm_rope_saves_output_not_input"] = (
+            source.untyped_storage().data_ptr() not in storages and out.untyped_storage().data_ptr() in storages)
         cos, sin = qt.rope_table(positions, inv_freq)
         opcheck = {}
         for name, op, args in (("qnorm_rope", qt.qnorm_rope_op, (x.float(), cos, sin, EPS)),
@@ -230,7 +240,7 @@ def test_kernel_matches_reference(interpreted, op, case_id):
 PLUMBING = ["registered"] + [f"{op}_{what}" for op in OPS for what in
                              ("public_matches_direct", "fp64_is_reference", "strided_input", "zero_rows")] + [
     "inverse_rope_rope0_new_storage", "inverse_rope_rope16_new_storage", "rope_rotate_rope0_new_storage",
-    "rope_rotate_rope16_new_storage"]
+    "rope_rotate_rope16_new_storage", "qnorm_rope_saves_output_not_input"]
 
 
 @pytest.mark.parametrize("check", PLUMBING)
