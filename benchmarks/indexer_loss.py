@@ -170,7 +170,7 @@ def split(T: int, log) -> None:
             rows = (qi[s:e], ki, w[s:e], qm[s:e], ck)
             _, full2, rowstat, g_rows = g[i]
             klt._kl_backward(grad_kl[s:e], rows, full2, rowstat, g_rows, [(0, e - s, idx, n_end)], K, scale,
-                             klt._bwd_config(klt._tiles(None, klt.BWD_CONFIG, klt.BWD_KEYS)))
+                             klt._bwd_config(klt._tiles(None, klt.BWD_CONFIG, klt.BWD_KEYS, "bwd_config")))
     fwd, fwd_bwd = _calls(klt.indexer_kl_triton, inputs)
     teacher, student_flop = 2.0 * pairs * H * D, 2.0 * pairs * HI * DI
     log(f"warm-up teacher by part, T={T}, K={K}, {len(chunks)} row chunks, {pairs} valid (row, slot) pairs")

@@ -612,7 +612,7 @@ def _op_checks(klt, plumbing_inputs) -> dict:
     index_q, index_k, index_w, q, ckv, outside, cand, grad_kl = plumbing_inputs
     leaves = [t.detach().clone().requires_grad_(True) for t in (index_q, index_k, index_w)]
     fwd_tiles = [int(klt.FWD_CONFIG[key]) for key in klt.FWD_KEYS]
-    bwd_tiles = klt._tiles(None, klt.BWD_CONFIG, klt.BWD_KEYS)
+    bwd_tiles = klt._tiles(None, klt.BWD_CONFIG, klt.BWD_KEYS, "bwd_config")
     args = (*leaves, q, ckv, outside, cand.indices, 0.25, True, fwd_tiles, bwd_tiles)
     student = _student_scores(plumbing_inputs)
     checks = [torch.library.opcheck(klt.indexer_kl_op, args),
@@ -1069,6 +1069,22 @@ def test_gluon_backward_dispatch(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert run() == ["triton"]
+
+
+def test_unknown_config_keys_name_the_argument():
+    """A key the op does not know (e.g. one a release removed, as SPLIT_DX) is an error, also where the reference
+    runs (float64), not silently ignored."""
+    from dsv4attn.ops.index_sets import Explicit
+    from dsv4attn.ops.indexer_loss import triton as klt
+    T, Nc = 2, 3
+    args = (torch.zeros(T, 2, 4, dtype=torch.float64), torch.zeros(Nc, 4, dtype=torch.float64),
+            torch.zeros(T, 2, dtype=torch.float64), torch.zeros(T, 2, 8, dtype=torch.float64),
+            torch.zeros(Nc, 8, dtype=torch.float64), torch.zeros(T, 2, dtype=torch.float64),
+            Explicit(torch.zeros(T, 1, dtype=torch.int32)), 0.5)
+    with pytest.raises(ValueError, match=r"bwd_config: unknown keys \['SPLIT_DX'\]"):
+        klt.indexer_kl_triton(*args, bwd_config=dict(SPLIT_DX=False))
+    with pytest.raises(ValueError, match=r"config: unknown keys \['BLOCK_Q'\]"):
+        klt.indexer_kl_triton(*args, config=dict(BLOCK_Q=64))
 
 
 def test_gluon_backward_config_is_checked():

@@ -16,8 +16,8 @@ reductions over whole 128-byte lines (``gluon_common.add_reduced``; its column p
 kernel); at the end consumer 1 hands its dq and dw partial sums to consumer 0 through shared memory, which stores
 the sums.
 
-The default on SM90 (``BWD_CONFIG["GLUON"]``): about half the Triton kernel's time at the V4 shapes (BENCHMARKS.md,
-"Indexer KL loss"); the GPU tests check both against float64.
+The default on SM90 (``BWD_CONFIG["KERNEL"]`` "auto"): about half the Triton kernel's time at the V4 shapes
+(BENCHMARKS.md, "Indexer KL loss"); the GPU tests check both against float64.
 """
 from __future__ import annotations
 

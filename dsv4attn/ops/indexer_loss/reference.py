@@ -14,7 +14,8 @@ main attention's compressed candidates (the sparse phase), L_h is the attention'
 can be passed instead (``full=True`` / ``indexer_kl(..., full_lse=...)``). Everything is computed in
 fp32 (fp64 for fp64 inputs). Only the student is differentiable (``index_q``, ``index_k``, ``index_weights``);
 the backward uses the closed form ``dKL/dI(j) = Q(j) * sum(T) - T(j)`` on S_t and recomputes chunk by chunk; the
-gradient of the student dots enters the index_q / index_k products rounded to their dtype (bf16 / fp16 inputs).
+gradient of the student dots enters the index_q / index_k products rounded to their common dtype (bf16 / fp16 when
+both are; mixed dtypes widen to fp32, no rounding), as the kernels do.
 Invalid slots (-1) contribute neither loss nor gradient.
 """
 from __future__ import annotations
@@ -96,9 +97,10 @@ class _IndexerKL(torch.autograd.Function):
             dots = torch.einsum("chd,ckd->chk", qi, keys_i)
             d_w[s:e] = (d_scores[:, None, :] * torch.relu(dots)).sum(-1)
             d_dots = d_scores[:, None, :] * index_weights[s:e].to(cd)[..., None] * (dots > 0)
-            # Half-precision operands: dx is rounded to their dtype before the two gradient products, as autograd
-            # of a bf16 matmul hands it its incoming gradient and as the kernels feed their tensor cores (the
-            # products themselves are exact, the sums fp32), so the reference's own error counts the same rounding.
+            # Half-precision operands: dx is rounded to their common dtype before the two gradient products, as
+            # autograd of a bf16 matmul hands it its incoming gradient and as the kernels feed their tensor cores
+            # (the products themselves are exact, the sums fp32), so the reference's own error counts the same
+            # rounding. Mixed dtypes promote to fp32 (no rounding), as the kernels widen them.
             d_dots = d_dots.to(operand_dtype).to(cd)
             d_q[s:e] = torch.einsum("chk,ckd->chd", d_dots, keys_i)
             d_keys = torch.einsum("chk,chd->ckd", d_dots, qi)

@@ -52,7 +52,7 @@ its last bits, and atomics are likely what bounds the backward at long T).
 Precision: logits, scores, LSEs and KL in fp32. bf16/fp16 operands feed the tensor cores with fp32 accumulation;
 fp32 operands are multiplied in true fp32 (``input_precision="ieee"``, never tf32). In the backward the fp32 ``dx``
 enters the two gradient matmuls rounded to the input dtype, as flash-attention rounds dS and as the reference does
-(a hi + lo pair of bf16 parts cost the backward 1.15-1.18x; BENCHMARKS.md). float64 inputs fall back to the
+(a hi + lo pair of bf16 parts cost the Gluon backward 1.18-1.23x; BENCHMARKS.md). float64 inputs fall back to the
 reference. No device->host sync: widths are host ints, per-row bounds stay on the device.
 
 Two pairs of registered custom ops (``register_fake`` + ``register_autograd``: gradients to index_q, index_k and
@@ -950,7 +950,10 @@ def _kl_backward_gluon_teacher(grad_kl, operands, full_lse, chunks, K: int, scal
     return d_qi, d_ki, d_w
 
 
-def _tiles(config: dict | None, default: dict, keys: tuple[str, ...]) -> list[int]:
+def _tiles(config: dict | None, default: dict, keys: tuple[str, ...], what: str) -> list[int]:
+    unknown = sorted(set(config or {}) - set(keys))
+    if unknown:          # e.g. a key a release removed: it would otherwise do nothing, silently
+        raise ValueError(f"indexer_kl {what}: unknown keys {unknown}; expected some of {list(keys)}")
     merged = dict(default, **(config or {}))
     return [variants.mode_index(merged[key]) if key == "KERNEL" else int(merged[key]) for key in keys]
 
@@ -984,11 +987,12 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
     float64 inputs, and empty problems (T = 0 or K = 0), **fall back to the reference**. Eager and compiled code
     take the same ops (module doc).
     """
+    fwd_tiles = _tiles(config, FWD_CONFIG, FWD_KEYS, "config")            # checked on every path
+    bwd_tiles = _tiles(bwd_config, BWD_CONFIG, BWD_KEYS, "bwd_config")
     tensors = (index_q, index_k, index_weights, q, compressed_kv, outside_lse)
     if (any(t.dtype not in KERNEL_DTYPES for t in tensors) or index_q.shape[0] == 0 or candidates.width == 0):
         return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates,
                                     scale, full=full, student_scores=student_scores)
-    fwd_tiles, bwd_tiles = _tiles(config, FWD_CONFIG, FWD_KEYS), _tiles(bwd_config, BWD_CONFIG, BWD_KEYS)
     q, compressed_kv, outside_lse = q.detach(), compressed_kv.detach(), outside_lse.detach()
     if student_scores is not None:
         if not full:

@@ -37,14 +37,14 @@ def qnorm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
             last ``rope_dim`` channels of each head rotate in interleaved pairs, ``rope_dim`` may be 0.
         eps: the RMSNorm epsilon (``config.rms_norm_eps``).
     Returns:
-        (T, H, D) in ``x.dtype``, a new tensor; differentiable in ``x``.
+        (T, H, D) in ``x.dtype``, a new tensor; differentiable in ``x``. On the kernel path it is saved for the
+        backward (not ``x``): modifying it in place before the backward makes autograd raise.
 
     Statistics, normalisation and rotation run in fp32 (fp64 for fp64 input) with cos/sin rounded to fp32 from
     float64 angles (:func:`dsv4attn.rope.rope_cos_sin`). The kernel rounds to ``x.dtype`` once, the reference twice
     (after the norm and after the rotation); the kernel's backward also keeps the un-rotated gradient in fp32 where
-    the reference rounds it to ``x.dtype`` before the norm backward, and forms the normalised rows from its own
-    (rounded) output and the forward's per-row rstd where the reference's autograd uses ``x``: the kernel keeps
-    its output, not ``x``.
+    the reference rounds it to ``x.dtype`` before the norm backward, and recovers the normalised rows by rotating
+    its own (rounded) output back, with rstd from the forward, where the reference's autograd uses ``x``.
     """
     _check(x, positions, inv_freq)
     eps = checks.check_eps(eps)

@@ -18,10 +18,10 @@ through untouched (``tl.where``, not ``* 1 + 0``, so even an infinite partner ca
   rotation by the opposite angle); ``NORM=False, SIGN=+1`` is also ``rope_rotate`` (the indexer's queries).
 * ``_qnorm_rope_bwd_kernel``: ``dy = R(-angle) dq`` and ``y = R(-angle) q`` in fp32 from the op's own output ``q``
   (the normalised rows, rounded once), then the RMSNorm backward ``dx = rstd * (dy - y * mean(dy * y))`` with the
-  forward's per-row ``rstd`` (fp32). So the op keeps its output, which the attention keeps anyway, and an
-  (T * H,) fp32 vector instead of its input ``x``, which is freed after the forward: at T = 32K, 64 heads of 512,
-  2 GiB less held per layer until the backward (the input has no other use: ``q_b_proj``'s backward needs its own
-  input).
+  forward's per-row ``rstd`` (fp32). So the op keeps its output, which the attention keeps anyway, and a (T, H)
+  fp32 tensor instead of its input ``x``, which is freed after the forward: at T = 32K, 64 heads of 512, a 2 GiB
+  tensor less held per layer until the backward (the input has no other use: ``q_b_proj``'s backward needs its
+  own input).
 
 Row offsets are int64 (T * H * D passes 2^31 at T = 64K in the Flash geometry). No device->host sync.
 """
@@ -137,11 +137,11 @@ def _table_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
 
 
 def _rope_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, norm: bool, sign: int,
-              config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward kernel on contiguous ``x`` (T, H, D): a new tensor of its shape and dtype, and with ``norm`` each
-    row's rstd, (T, H) fp32 (else an empty tensor)."""
+    row's rstd, (T, H) fp32 (else None)."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    rstd = torch.empty(x.shape[:2] if norm else (0, x.shape[1]), dtype=torch.float32, device=x.device)
+    rstd = torch.empty(x.shape[:2], dtype=torch.float32, device=x.device) if norm else None
     if x.numel() == 0:
         return out, rstd
     grid, meta, launch = _launch(x, cos, config or CONFIGS["fwd"])
