@@ -7,7 +7,7 @@ and prints its measurements as JSON; the parametrised tests only judge those num
 Bounds, per output (KL per row, d index_q, d index_k, d index_weights), max abs error against the float64 reference
 on the same (rounded) inputs:
 - fp32 inputs: within 1e-5 of the largest magnitude (the kernels multiply fp32 in true fp32, never tf32);
-- bf16 / mixed inputs: <= 2x (KL) / 3x (gradients) the error of the reference run on the same low-precision inputs,
+- bf16 / fp16 / mixed inputs: <= 2x (KL) / 3x (gradients) the error of the reference run on the same low-precision inputs,
   plus 1e-6 of the largest magnitude (fp32 summation-order noise where the reference's own error is ~0).
 
 Every case draws fresh inputs from its own seed: ragged packs (tests/packs.py) for the warm-up candidate sets
@@ -37,7 +37,7 @@ from tests.ops.interpreter import run_worker
 from tests.ops.kernel_checks import OpLog, assert_error_within, low_precision_bound
 
 NAMES = ("kl", "d_index_q", "d_index_k", "d_index_weights")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 MULTI_BLOCK = dict(BLOCK_N=16, GIVEN_BLOCK_N=16)  # several candidate blocks per row (the defaults: 64 and 1024)
 
@@ -95,6 +95,8 @@ CASES = {
                                                           scores=True),
     "bf16-visible-scores-given-chunks": _case("bf16", kind="visible", lengths=RAGGED_WIDE, fwd=MULTI_BLOCK,
                                               budget=9 * 17, full=True, scores=True),
+    # fp16: the backward's dx rounded to fp16, in the kernel and the reference alike.
+    "fp16-topk-default-tiles": _case("fp16"),
 }
 
 
