@@ -7,8 +7,8 @@ and prints its measurements as JSON; the parametrised tests only judge those num
 Bounds, per output (KL per row, d index_q, d index_k, d index_weights), max abs error against the float64 reference
 on the same (rounded) inputs:
 - fp32 inputs: within 1e-5 of the largest magnitude (the kernels multiply fp32 in true fp32, never tf32);
-- bf16 / fp16 / mixed inputs: <= 2x (KL) / 3x (gradients) the error of the reference run on the same low-precision inputs,
-  plus 1e-6 of the largest magnitude (fp32 summation-order noise where the reference's own error is ~0).
+- bf16 / fp16 / mixed inputs: <= 2x (KL) / 3x (gradients) the error of the reference run on the same low-precision
+  inputs, plus 1e-6 of the largest magnitude (fp32 summation-order noise where the reference's own error is ~0).
 
 Every case draws fresh inputs from its own seed: ragged packs (tests/packs.py) for the warm-up candidate sets
 (VisibleCompressed), random top-k rows with -1 holes, repeated slots (each occurrence counts, as in the reference)
@@ -43,13 +43,13 @@ MULTI_BLOCK = dict(BLOCK_N=16, GIVEN_BLOCK_N=16)  # several candidate blocks per
 
 
 def _case(dtype, kind="explicit", T=16, H=5, D=32, Hi=3, Di=16, Nc=40, K=20, fwd=None, bwd_n=None,
-          save_g=True, budget=None, lengths=None, teacher_dtype=None, full=False, scores=False):
+          save_g=True, budget=None, lengths=None, teacher_dtype=None, full=False, scores=False, keys_dtype=None):
     # full: the kernel is given each head's full denominator (full_lse) instead of the outside mass. scores (with
     # full): the student logits are given too, formed beforehand in fp32 (as the indexer's top-k forms them), and the
     # low-precision reference is given the same ones.
     return dict(dtype=dtype, kind=kind, T=T, H=H, D=D, Hi=Hi, Di=Di, Nc=Nc, K=K, fwd=fwd or {},
                 bwd_n=bwd_n, save_g=save_g, budget=budget, lengths=lengths, teacher_dtype=teacher_dtype, full=full,
-                scores=scores)
+                scores=scores, keys_dtype=keys_dtype)
 
 
 # tests/packs.py's ragged lengths (length 1, < 4, == 4, 4 + 1, not divisible, an empty document) and one document
@@ -97,6 +97,8 @@ CASES = {
                                               budget=9 * 17, full=True, scores=True),
     # fp16: the backward's dx rounded to fp16, in the kernel and the reference alike.
     "fp16-topk-default-tiles": _case("fp16"),
+    # index_q bf16, index_k fp32: both products widen to fp32 (no rounding of dx), in the kernel and the reference.
+    "mixed-index-q-bf16-index-k-fp32": _case("bf16", keys_dtype="fp32"),
 }
 
 
@@ -143,7 +145,7 @@ def _inputs(c, seed):
     def randn(*shape, std=1.0):
         return std * torch.randn(*shape, generator=gen, dtype=torch.float64)
     index_q = randn(T, Hi, Di).to(dt)
-    index_k = randn(Nc, Di).to(dt)
+    index_k = randn(Nc, Di).to(DTYPES[c["keys_dtype"] or c["dtype"]])     # another dtype: both widen to fp32
     index_w = randn(T, Hi, std=0.5).to(dt)
     q = randn(T, H, D, std=2.0).to(dt)
     ckv = randn(Nc, D).to(tdt)                                 # another dtype than q: both widen to fp32
