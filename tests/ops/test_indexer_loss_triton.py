@@ -42,6 +42,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MULTI_BLOCK = dict(BLOCK_N=16, GIVEN_BLOCK_N=16)  # several candidate blocks per row (the defaults: 64 and 1024)
 
 
+def _never(rows: int, width: int) -> bool:
+    """Stands in for ``_saves_g``: the forward keeps no dKL/dI, so the backward forms the teacher again."""
+    return False
+
+
 def _case(dtype, kind="explicit", T=16, H=5, D=32, Hi=3, Di=16, Nc=40, K=20, fwd=None, bwd_n=None,
           save_g=True, budget=None, lengths=None, teacher_dtype=None, full=False, scores=False, keys_dtype=None):
     # full: the kernel is given each head's full denominator (full_lse) instead of the outside mass. scores (with
@@ -217,8 +222,8 @@ def _worker() -> None:
         inputs = _inputs(c, 100 + seed)
         fwd = dict(klt.FWD_CONFIG, **c["fwd"])
         bwd = dict(klt.BWD_CONFIG, **({"BLOCK_N": c["bwd_n"]} if c["bwd_n"] else {}))
-        saved = klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET
-        klt.SAVE_G_MAX_WIDTH = klt.SAVE_G_MAX_WIDTH if c["save_g"] else -1
+        saved = klt._saves_g, klt.INDEX_BUDGET
+        klt._saves_g = klt._saves_g if c["save_g"] else _never
         klt.INDEX_BUDGET = c["budget"] or klt.INDEX_BUDGET
         full = c["full"]
         given = _with_full_lse(inputs) if full else inputs
@@ -227,7 +232,7 @@ def _worker() -> None:
             student = student * 1.5
         kernel = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, bwd_config=bwd, full=full,
                                                        student_scores=student), given)
-        klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET = saved
+        klt._saves_g, klt.INDEX_BUDGET = saved
         ref_low = _run(lambda *a: indexer_kl_reference(*a, full=full, student_scores=student), given)
         if c["scores"] == "scaled":     # ground truth with the same (scaled) student, in float64
             student64 = _student_scores(inputs, torch.float64) * 1.5
@@ -353,22 +358,22 @@ def _gluon_teacher_check(klt) -> dict:
     fwd = dict(klt.FWD_CONFIG, **c["fwd"])
 
     def kernel(save_g=True, given=inputs):
-        saved = klt.SAVE_G_MAX_WIDTH
-        klt.SAVE_G_MAX_WIDTH = saved if save_g else -1
+        saved = klt._saves_g
+        klt._saves_g = saved if save_g else _never
         try:
             return _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd), given)
         finally:
-            klt.SAVE_G_MAX_WIDTH = saved
+            klt._saves_g = saved
     explicit = list(inputs)
     explicit[6] = Explicit(inputs[6].materialize())        # the registered ops (what torch.compile runs)
 
     def full_form(save_g, given):                          # the full-denominator form, its mass per chunk
-        saved = klt.SAVE_G_MAX_WIDTH
-        klt.SAVE_G_MAX_WIDTH = saved if save_g else -1
+        saved = klt._saves_g
+        klt._saves_g = saved if save_g else _never
         try:
             return _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, full=True), _with_full_lse(given))
         finally:
-            klt.SAVE_G_MAX_WIDTH = saved
+            klt._saves_g = saved
 
     out = {}
     klt.INDEX_BUDGET = c["budget"]
@@ -588,7 +593,7 @@ def _op_checks(klt, plumbing_inputs) -> dict:
         _run(klt.indexer_kl_triton, visible)
     out["visible_runs_ranges_ops"] = ranges_ops <= log.names and not explicit_ops & log.names
 
-    saved = klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET
+    saved = klt._saves_g, klt.INDEX_BUDGET
     equal = {}
     gen = torch.Generator().manual_seed(5)
     for seed, (case_id, views) in enumerate(RANGE_CASES):
@@ -602,13 +607,13 @@ def _op_checks(klt, plumbing_inputs) -> dict:
             explicit = list(inputs)
             explicit[6] = Explicit(inputs[6].materialize())
             for save_g in (True, False):
-                klt.SAVE_G_MAX_WIDTH = saved[0] if save_g else -1
+                klt._saves_g = saved[0] if save_g else _never
                 klt.INDEX_BUDGET = 6 * inputs[6].width                 # chunks of 6 query rows
                 got = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, full=c["full"]), inputs)
                 want = _run(lambda *a: klt.indexer_kl_triton(*a, config=fwd, full=c["full"]), explicit)
                 equal[f"{case_id}-{name}-{'saved' if save_g else 'recompute'}"] = all(
                     torch.equal(a, b) for a, b in zip(got, want))
-    klt.SAVE_G_MAX_WIDTH, klt.INDEX_BUDGET = saved
+    klt._saves_g, klt.INDEX_BUDGET = saved
     out["ranges_equal_explicit_bitwise"] = equal
 
     # torch.library.opcheck: schema, fake kernels, autograd registration, AOT dispatch with dynamic shapes (the
@@ -749,6 +754,16 @@ def test_gluon_teacher_fallbacks(interpreted, check):
         assert m[check]
 
 
+def test_dkl_di_is_saved_for_narrow_rows_and_within_the_byte_budget():
+    """The sparse phase's top-k always keeps dKL/dI (linear in T); the warm-up's every visible entry keeps it up to
+    SAVE_G_BUDGET bytes (a 32K document: 32768 x 8192 fp32 = 1 GiB) and forms the teacher again past that."""
+    from dsv4attn.ops.indexer_loss import triton as klt
+
+    assert klt._saves_g(1 << 20, 512) and klt._saves_g(1 << 20, klt.SAVE_G_MAX_WIDTH)
+    assert klt._saves_g(32768, 8192) and klt.SAVE_G_BUDGET == 32768 * 8192 * 4
+    assert not klt._saves_g(65536, 16384) and not klt._saves_g(32769, 8192)
+
+
 def test_no_compressed_entries(interpreted):
     m = interpreted["edge"]["no_keys"]
     assert m["all_zero"] and m["dk_shape"][0] == 0
@@ -848,14 +863,14 @@ def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, score
     calls = []
     real_mass = gluon_hopper.teacher_mass
     monkeypatch.setattr(gluon_hopper, "teacher_mass", lambda *a, **k: calls.append(1) or real_mass(*a, **k))
-    saved = klt.SAVE_G_MAX_WIDTH
-    klt.SAVE_G_MAX_WIDTH = saved if save_g else -1
+    saved = klt._saves_g
+    klt._saves_g = saved if save_g else _never
     try:
         student = _student_scores(inputs) if scores else None
         kernel = _run(lambda *a: klt.indexer_kl_triton(*a, config=dict(klt.FWD_CONFIG, **(fwd or {})),
                                                        full=bool(full), student_scores=student), given)
     finally:
-        klt.SAVE_G_MAX_WIDTH = saved
+        klt._saves_g = saved
     # The Gluon teacher ran exactly where it applies (a build failure would only warn and fall back), and only there.
     assert bool(calls) == gluon_expected and not (gluon_expected and variants.FAILED), variants.FAILED
     measured = _compare(kernel, _run(lambda *a: indexer_kl_reference(*a, full=bool(full), student_scores=student),
@@ -876,7 +891,7 @@ def test_gpu_warmup_teacher_over_several_chunks_wider_than_1024(save_g, monkeypa
     inputs = flash_inputs(16384, "warmup", seed=2)
     width = inputs[6].width
     monkeypatch.setattr(klt, "INDEX_BUDGET", 4096 * width)        # 4096 rows per chunk: 4 chunks
-    monkeypatch.setattr(klt, "SAVE_G_MAX_WIDTH", width if save_g else -1)
+    monkeypatch.setattr(klt, "_saves_g", (lambda rows, w: True) if save_g else _never)
     assert width > 1024 and len(list(klt.chunk_rows(16384, width, budget=klt.INDEX_BUDGET))) > 1
     kernel = _run(klt.indexer_kl_triton, inputs)
     measured = _compare(kernel, _run(indexer_kl_reference, inputs), _run(indexer_kl_reference, inputs, widen=True))
@@ -940,7 +955,7 @@ def test_gpu_warmup_stack_of_far_apart_segments(save_g, monkeypatch):
     inputs = (randn(T, 64, 128)[rows], randn(Nc, 128), randn(T, 64, std=64 ** -0.5 * 128 ** -0.5)[rows],
               randn(T, 64, 512)[rows], randn(Nc, 512), (torch.randn(T, 64, device=device, generator=gen) + 2.0)[rows],
               cand, torch.rand(200, device=device, generator=gen, dtype=torch.float64) + 0.5)
-    monkeypatch.setattr(klt, "SAVE_G_MAX_WIDTH", klt.SAVE_G_MAX_WIDTH if save_g else -1)
+    monkeypatch.setattr(klt, "_saves_g", klt._saves_g if save_g else _never)
     calls = []
     real = klt.indexer_triton._score_orders
     monkeypatch.setattr(klt.indexer_triton, "_score_orders", lambda *a, **k: calls.append(a[0].shape[0]) or

@@ -31,15 +31,15 @@ with ``outside_lse`` gives L_h, and ``teacher_mass`` the mass; with ``full`` onl
 then runs on them (tensor cores for the H x D teacher logits instead of the two-pass form's two Triton passes: 457 ->
 241 ms for a warm-up CSA layer at 32K, BENCHMARKS.md). Through the ranges ops (the warm-up) the student's logits
 come from the indexer's score kernel (:class:`StudentRanges`; its int32 orders, decoded by the KL kernel as it loads
-them, ``SCORE_ORDERS``) instead of the KL kernel's per-row dots. Rows too wide to save dKL/dI form the mass (and those
-logits) again per chunk in the backward (then dKL/dI from the forward kernel, then the saved-gradient backward),
+them, ``SCORE_ORDERS``) instead of the KL kernel's per-row dots. Where dKL/dI is not saved (below) the backward
+forms the mass (and those logits) again per chunk (then dKL/dI from the forward kernel, then the saved-gradient backward),
 whichever form the forward ran.
 Only a Gluon kernel's own error falls back to the Triton teacher (a build failure warns once; other errors
 propagate); an error of the Triton KL kernels is never taken for one.
 
-The forward saves dKL/dI per slot, ``G(j) = Q(j) sum T - T(j)`` (fp32, (T, K)), when K <= ``SAVE_G_MAX_WIDTH``,
-so that the backward does not recompute the teacher (the bulk of the work: H x D per candidate against Hi x Di for
-the student). Wider rows save per-row statistics (each head's full denominator as the natural-log L, whichever form
+The forward saves dKL/dI per slot, ``G(j) = Q(j) sum T - T(j)`` (fp32, (T, K)), when K <= ``SAVE_G_MAX_WIDTH``
+or T K 4 <= ``SAVE_G_BUDGET`` bytes, so that the backward does not recompute the teacher (the bulk of the work:
+H x D per candidate against Hi x Di for the student). Otherwise it saves per-row statistics (each head's full denominator as the natural-log L, whichever form
 ran; the student's LSE, the floored Z and sum T) and the backward forms T(j) again: on SM90 per chunk with the Gluon
 teacher (as above), elsewhere block by block in the Triton backward kernel (the same mass formula as the forward).
 
@@ -100,8 +100,12 @@ FWD_CONFIG = dict(BLOCK_N=64, BLOCK_HI=64, BLOCK_D=64, GIVEN_BLOCK_N=1024, num_w
 # KERNEL: the saved-gradient backward (the sparse phase), "auto" (:mod:`dsv4attn.variants`: the SM90 Gluon kernel of
 # :mod:`.gluon_hopper` where it applies, bf16/fp16, 64 index heads of 128), "gluon" or "triton" (the Triton kernel).
 BWD_CONFIG = dict(BLOCK_N=64, BLOCK_D=64, num_warps=8, num_stages=2, KERNEL="auto")
-# Rows at most this wide save dKL/dI (fp32, 4 bytes per slot) for the backward; wider rows recompute the teacher.
+# The forward saves dKL/dI (fp32, 4 bytes per slot) for the backward when its rows are at most SAVE_G_MAX_WIDTH
+# wide (the sparse phase's top-k: linear in T) or the whole (T, K) buffer takes at most SAVE_G_BUDGET bytes (the
+# warm-up's every visible entry of a document up to 32K tokens: 1 GiB); otherwise the backward forms the teacher
+# mass and the student's logits again, chunk by chunk (memory linear in T; at 32K ~25 ms more, BENCHMARKS.md).
 SAVE_G_MAX_WIDTH = 1024
+SAVE_G_BUDGET = 1 << 30
 # int32 candidate slots materialised per chunk of query rows (the sparse phase at T = 32K, K = 512: one chunk).
 INDEX_BUDGET = 1 << 25
 # The order in which the ops' ``fwd_tiles`` / ``bwd_tiles`` arguments list a config (custom op schemas take no dicts).
@@ -560,6 +564,11 @@ def _operands(index_q, index_k, index_weights, q, compressed_kv):
     return qi, ki, index_weights.float().contiguous(), qm, ckv
 
 
+def _saves_g(rows: int, width: int) -> bool:
+    """Whether the forward keeps dKL/dI, (rows, width) fp32, for the backward (see :data:`SAVE_G_BUDGET`)."""
+    return width <= SAVE_G_MAX_WIDTH or rows * width * 4 <= SAVE_G_BUDGET
+
+
 def _split_launch(config: dict) -> tuple[dict, dict]:
     cfg = dict(config)
     return cfg, dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
@@ -1008,7 +1017,7 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
         first, visible, table, shift = ranges
         return indexer_kl_ranges_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, first, visible,
                                     table, shift, candidates.width, float(scale),
-                                    candidates.width <= SAVE_G_MAX_WIDTH and grads, fwd_tiles, bwd_tiles,
+                                    _saves_g(index_q.shape[0], candidates.width) and grads, fwd_tiles, bwd_tiles,
                                     bool(full), range_part_starts(candidates))[0]
     if not isinstance(candidates, Explicit):   # no ranges: materialised whole, as int32 one chunk of rows at a time
         idx = torch.empty(index_q.shape[0], candidates.width, dtype=torch.int32, device=index_q.device)
@@ -1018,7 +1027,7 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
     idx = candidates.rows(0, candidates.total_rows, torch.int32) if candidates.offset else candidates.indices
     # Given student scores always save dKL/dI (G is their size): a backward recomputing the teacher would form the
     # student from the dots again, not from the given scores its forward used.
-    save_g = (candidates.width <= SAVE_G_MAX_WIDTH or student_scores is not None) and grads
+    save_g = (_saves_g(index_q.shape[0], candidates.width) or student_scores is not None) and grads
     return indexer_kl_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, idx.to(torch.int32),
                          float(scale), save_g, fwd_tiles, bwd_tiles, bool(full), student_scores)[0]
 
@@ -1045,4 +1054,4 @@ backend.register_kernel("indexer_kl", indexer_kl_triton)
 
 __all__ = ["indexer_kl_triton", "indexer_kl_op", "indexer_kl_backward_op", "indexer_kl_ranges_op",
            "indexer_kl_ranges_backward_op", "FWD_CONFIG", "BWD_CONFIG", "FWD_KEYS",
-           "BWD_KEYS", "SAVE_G_MAX_WIDTH"]
+           "BWD_KEYS", "SAVE_G_MAX_WIDTH", "SAVE_G_BUDGET"]
