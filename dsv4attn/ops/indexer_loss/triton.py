@@ -37,11 +37,12 @@ backward), whichever form the forward ran.
 Only a Gluon kernel's own error falls back to the Triton teacher (a build failure warns once; other errors
 propagate); an error of the Triton KL kernels is never taken for one.
 
-The forward saves dKL/dI per slot, ``G(j) = Q(j) sum T - T(j)`` (fp32, (T, K)), when K <= ``SAVE_G_MAX_WIDTH``
-or T K 4 <= ``SAVE_G_BUDGET`` bytes, so that the backward does not recompute the teacher (the bulk of the work:
-H x D per candidate against Hi x Di for the student). Otherwise it saves per-row statistics (each head's full
-denominator as the natural-log L, whichever form ran; the student's LSE, the floored Z and sum T) and the backward forms T(j) again: on SM90 per chunk with the Gluon
-teacher (as above), elsewhere block by block in the Triton backward kernel (the same mass formula as the forward).
+The forward saves dKL/dI per slot, ``G(j) = Q(j) sum T - T(j)`` (fp32, (T, K)), when K <= ``SAVE_G_MAX_WIDTH`` or T K
+4 <= ``SAVE_G_BUDGET`` bytes, so that the backward does not recompute the teacher (the bulk of the work: H x D per
+candidate against Hi x Di for the student). Otherwise it saves per-row statistics (each head's full denominator as the
+natural-log L, whichever form ran; the student's LSE, the floored Z and sum T) and the backward forms T(j) again: on
+SM90 per chunk with the Gluon teacher (as above), elsewhere block by block in the Triton backward kernel (the same
+mass formula as the forward).
 
 Backward, one program per query row: recompute the student dots x[g, j] = <qi[t, g], ki_j>, take
 ``dI = grad_kl[t] * G``, then ``d index_weights[t, g] = sum_j dI relu(x)``, ``dx = dI w[t, g] 1[x > 0]``,
