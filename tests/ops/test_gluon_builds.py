@@ -7,7 +7,7 @@ once, at its launcher's default config (the forward also with the output rotatio
 types (bf16, D = 512 for the attention; pointer arguments 16-byte aligned, as the runtime specialises them), and
 checks that its shared memory fits an SM90 block.
 Cost with a cold Triton cache on a 2-core CPU: about 30 s of CPU time with Triton 3.9, 20 s with 3.6 (one child
-process compiles all ten; a warm cache skips the compiles).
+process compiles all eleven; a warm cache skips the compiles).
 
 :func:`gluon_kernels` and :func:`compile_sm90` also serve offline studies of a kernel (registers, spills, SASS).
 """
@@ -85,6 +85,10 @@ def gluon_kernels():
          dict(QI=bf, KI=bf, W_=f32, IDX=i32, NEND=i32, G=f32, GRAD=f32, DQI=bf, DKI=f32, DW=f32, K="i32"),
          dict(BLOCK_N=kl.BLOCK_N, STAGES=kl_cfg["STAGES"], num_warps=4,
               REGS=tuple(kl_cfg["REGS"]))),
+        ("kl_bwd_pairs", kl._indexer_kl_bwd_pairs_gluon,
+         dict(QI=bf, KI=bf, W_=f32, IDX=i32, NEND=i32, ROW0=i32, ROW1=i32, G=f32, GRAD=f32, DQI=bf, DKI=f32, DW=f32,
+              K="i32"),
+         dict(BLOCK_N=kl.BLOCK_N, STAGES=kl_cfg["STAGES"], num_warps=4, REGS=tuple(kl_cfg["REGS"]))),
     ]
 
 
@@ -124,7 +128,7 @@ def handed_over_slots_in_scratch(llir: str) -> tuple[list[int], int]:
 
 
 KERNEL_NAMES = ["attn_fwd", "attn_fwd_no_rope", "teacher_mass", "teacher_lse", "teacher_mass_ranges",
-                "teacher_lse_ranges", "attn_bwd", "indexer_scores", "indexer_scores_table", "kl_bwd"]
+                "teacher_lse_ranges", "attn_bwd", "indexer_scores", "indexer_scores_table", "kl_bwd", "kl_bwd_pairs"]
 
 
 def _worker():

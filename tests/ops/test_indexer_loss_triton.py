@@ -298,9 +298,9 @@ def _gluon_teacher_check(klt) -> dict:
     Function and the registered ops) with its two Gluon kernels stood in for by float64 torch versions: the dataflow
     around them (per-chunk full denominators and mass, the full form, the backward's mass again) against the float64
     reference, the two paths bit for bit (here: the ranges pair takes the student's logits from the indexer's score
-    kernel and the other pair forms them in the KL kernel; with 3 heads of 16 dims, products exact in fp32 and
-    both summing the heads in order from +0 under the interpreter, they agree bit for bit, on a GPU only up to
-    fp32 rounding); and its fallbacks: a build failure of a Gluon kernel in the forward or the
+    kernel and the other pair forms them in the KL kernel; with 3 heads of 16 dims and the index operands on grids
+    that make every product and sum exact in fp32, they agree bit for bit in any summation order, on a GPU with
+    inputs of full precision only up to fp32 rounding); and its fallbacks: a build failure of a Gluon kernel in the forward or the
     backward warns and falls back, a bug in one (not a build failure) and every error of the Triton kernels
     propagate."""
     import warnings
@@ -352,7 +352,13 @@ def _gluon_teacher_check(klt) -> dict:
     real = (klt._gluon_teacher, gluon_hopper.teacher_lse, gluon_hopper.teacher_mass, klt.INDEX_BUDGET,
             klt.indexer_triton._score_orders)
     c = CASES["bf16-visible-multi-block-recompute-chunks"]
-    inputs = _inputs(c, 23)
+    inputs = list(_inputs(c, 23))
+    # The index operands on grids (q and k: 1/8, the weights: 1/16, all within [-2, 2]): every product and sum of a
+    # student logit is then exact in fp32, so the two paths' logits are equal whatever order a CPU's BLAS sums them
+    # in under the interpreter (bf16 inputs of full precision gave different last bits on an AMD EPYC).
+    for i, step in ((0, 8), (1, 8), (2, 16)):
+        inputs[i] = (inputs[i].double() * step).round().clamp(-2 * step, 2 * step).div(step).to(inputs[i].dtype)
+    inputs = tuple(inputs)
     exact = _run(indexer_kl_reference, inputs, widen=True)
     low = _run(indexer_kl_reference, inputs)
     fwd = dict(klt.FWD_CONFIG, **c["fwd"])
@@ -847,6 +853,7 @@ def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, score
     kernel ("triton"). scores: the student logits given (fp32, as the top-k forms them), to the reference too.
     Without full (outside_lse given: the warm-up, and the sparse case through the registered ops): on SM90 the Gluon
     kernels form the full denominators and the mass (in the backward again when dKL/dI is not saved)."""
+    from dsv4attn.ops.indexer_loss import gluon_hopper as gluon_kl
     from dsv4attn.ops.indexer_loss import triton as klt
     from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
 
@@ -860,9 +867,11 @@ def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, score
     if full == "triton":
         monkeypatch.setattr(variants, "FAILED",
                             {("indexer_kl", "teacher_mass", (512, torch.bfloat16)): "forced off by the test"})
-    calls = []
+    calls, pairs = [], []
     real_mass = gluon_hopper.teacher_mass
     monkeypatch.setattr(gluon_hopper, "teacher_mass", lambda *a, **k: calls.append(1) or real_mass(*a, **k))
+    real_pairs = gluon_kl.launch_bwd_pairs
+    monkeypatch.setattr(gluon_kl, "launch_bwd_pairs", lambda *a, **k: pairs.append(1) or real_pairs(*a, **k))
     saved = klt._saves_g
     klt._saves_g = saved if save_g else _never
     try:
@@ -873,6 +882,7 @@ def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, score
         klt._saves_g = saved
     # The Gluon teacher ran exactly where it applies (a build failure would only warn and fall back), and only there.
     assert bool(calls) == gluon_expected and not (gluon_expected and variants.FAILED), variants.FAILED
+    assert not pairs                    # rows of 512 slots at most: narrower than PAIRS_MIN_WIDTH
     measured = _compare(kernel, _run(lambda *a: indexer_kl_reference(*a, full=bool(full), student_scores=student),
                                      given),
                         _run(indexer_kl_reference, inputs, widen=True))
@@ -885,6 +895,7 @@ def test_gpu_warmup_teacher_over_several_chunks_wider_than_1024(save_g, monkeypa
     """The warm-up's teacher at a width past SAVE_G_MAX_WIDTH's default (2048 candidates per row at the end of the
     pack's 8192-row document) over several row chunks: on SM90 the Gluon teacher kernels per chunk and the Gluon KL
     backward on each chunk's dKL/dI; elsewhere the two-pass form. Bounds as in the other GPU cases."""
+    from dsv4attn.ops.indexer_loss import gluon_hopper as gluon_kl
     from dsv4attn.ops.indexer_loss import triton as klt
     from dsv4attn.ops.indexer_loss.reference import indexer_kl_reference
 
@@ -893,7 +904,12 @@ def test_gpu_warmup_teacher_over_several_chunks_wider_than_1024(save_g, monkeypa
     monkeypatch.setattr(klt, "INDEX_BUDGET", 4096 * width)        # 4096 rows per chunk: 4 chunks
     monkeypatch.setattr(klt, "_saves_g", (lambda rows, w: True) if save_g else _never)
     assert width > 1024 and len(list(klt.chunk_rows(16384, width, budget=klt.INDEX_BUDGET))) > 1
+    pairs = []
+    real_pairs = gluon_kl.launch_bwd_pairs
+    monkeypatch.setattr(gluon_kl, "launch_bwd_pairs", lambda *a, **k: pairs.append(1) or real_pairs(*a, **k))
     kernel = _run(klt.indexer_kl_triton, inputs)
+    # On SM90 each chunk's backward takes the rows in pairs (width >= PAIRS_MIN_WIDTH), in both forms.
+    assert len(pairs) == (4 if gluon_kl.available(inputs[0], inputs[1]) else 0), pairs
     measured = _compare(kernel, _run(indexer_kl_reference, inputs), _run(indexer_kl_reference, inputs, widen=True))
     _assert_within_bounds(f"warmup-T16384-chunks-save-{save_g}", measured, low_precision=True)
 
@@ -1059,6 +1075,7 @@ def test_gluon_backward_dispatch(monkeypatch):
 
     monkeypatch.setattr(gluon_kl, "check", lambda qi, ki: (True, "stubbed"))
     monkeypatch.setattr(gluon_kl, "launch_bwd", gluon)
+    monkeypatch.setattr(gluon_kl, "launch_bwd_pairs", lambda *args: launched.append("gluon pairs"))
     monkeypatch.setattr(klt, "_launch", lambda *args: launched.append("triton"))
     monkeypatch.setattr(variants, "FAILED", {})
     monkeypatch.setattr(variants, "_mode", "auto")
@@ -1069,13 +1086,18 @@ def test_gluon_backward_dispatch(monkeypatch):
     chunks = [(0, T, torch.zeros(T, K, dtype=torch.int32), torch.full((T,), K, dtype=torch.int32))]
     g_buf = torch.zeros(T, K)
 
-    def run(config=None, g=g_buf):
+    def run(config=None, g=g_buf, ranges=None):
         launched.clear()
         klt._kl_backward(torch.ones(T), operands, torch.zeros(T, 64), torch.zeros(T, 3), g, chunks, K, 0.1,
-                         dict(klt.BWD_CONFIG, **(config or {})))
+                         dict(klt.BWD_CONFIG, **(config or {})), ranges)
         return list(launched)
 
     assert run() == ["gluon"]
+    ranges = klt.StudentRanges(torch.zeros(T, dtype=torch.int64), torch.full((T,), K), None, 0, ())
+    assert run(ranges=ranges) == ["gluon"]                # ranges narrower than PAIRS_MIN_WIDTH: one row a program
+    monkeypatch.setattr(klt, "PAIRS_MIN_WIDTH", K)
+    assert run(ranges=ranges) == ["gluon pairs"]          # wider: rows with one start share a program
+    assert run(ranges=ranges, g=None) == ["triton"]
     assert run(dict(KERNEL="triton")) == ["triton"]
     assert run(g=None) == ["triton"]
     monkeypatch.setattr(variants, "_mode", "triton")
@@ -1088,6 +1110,21 @@ def test_gluon_backward_dispatch(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert run() == ["triton"]
+
+
+def test_row_pairs_pair_rows_with_one_start_and_leave_each_other_row_to_a_second_launch():
+    """The Gluon backward's row pairs for ranges (gluon_hopper.row_pairs): rows 2p and 2p + 1 share a program when
+    their ranges start at one entry (so each slot both hold is one key); every row is taken exactly once."""
+    from dsv4attn.ops.indexer_loss import gluon_hopper as gluon_kl
+
+    first = torch.tensor([0, 0, 0, 5, 5, 5, 9])           # (0, 1) and (4, 5) share a start, (2, 3) not, 6 is last
+    row0, row1, alone = gluon_kl.row_pairs(first)
+    assert row0.tolist() == [0, 2, 4, 6] and row1.tolist() == [1, -1, 5, -1] and alone.tolist() == [-1, 3, -1, -1]
+    assert all(t.dtype == torch.int32 for t in (row0, row1, alone))
+    for T in (1, 2, 9):
+        first = torch.randint(0, 3, (T,))
+        taken = torch.cat(gluon_kl.row_pairs(first))
+        assert sorted(taken[taken >= 0].tolist()) == list(range(T))
 
 
 def test_unknown_config_keys_name_the_argument():

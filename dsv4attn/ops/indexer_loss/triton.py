@@ -107,6 +107,10 @@ BWD_CONFIG = dict(BLOCK_N=64, BLOCK_D=64, num_warps=8, num_stages=2, KERNEL="aut
 # mass and the student's logits again, chunk by chunk (memory linear in T; at 32K ~25 ms more, BENCHMARKS.md).
 SAVE_G_MAX_WIDTH = 1024
 SAVE_G_BUDGET = 1 << 30
+# The Gluon backward takes the warm-up's rows in pairs (gluon_hopper.launch_bwd_pairs: half the d index_k reductions)
+# where rows are at least PAIRS_MIN_WIDTH slots wide (documents of 4096 tokens and longer); at 512 slots the pairs'
+# per-tile hand-over between the consumers costs more than the reductions it saves (BENCHMARKS.md).
+PAIRS_MIN_WIDTH = 1024
 # int32 candidate slots materialised per chunk of query rows (the sparse phase at T = 32K, K = 512: one chunk).
 INDEX_BUDGET = 1 << 25
 # The order in which the ops' ``fwd_tiles`` / ``bwd_tiles`` arguments list a config (custom op schemas take no dicts).
@@ -648,9 +652,12 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     return kl, full2, rowstat, g_buf
 
 
-def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale: float, config: dict):
+def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale: float, config: dict,
+                 ranges: StudentRanges | None = None):
     """The backward kernel over ``chunks`` (as :func:`_kl_forward`'s); ``g_buf`` None recomputes the teacher
-    from ``full2`` (each head's natural-log L, as both forward forms save it) and ``rowstat``.
+    from ``full2`` (each head's natural-log L, as both forward forms save it) and ``rowstat``. ``ranges``: the
+    chunks' candidates are these ranges (the warm-up), so the Gluon kernel takes rows with one start in pairs (from
+    :data:`PAIRS_MIN_WIDTH` slots).
 
     Returns d index_q in ``qi``'s dtype, d index_k fp32 with ``ki``'s rows, d index_weights fp32.
     """
@@ -671,7 +678,11 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
     for s, e, idx, n_end in chunks:
         if gluon and e > s:
             try:
-                gluon_kl.launch_bwd(qi[s:e], ki, w[s:e], idx, n_end, g_buf[s:e], grad[s:e], d_qi[s:e], d_ki, d_w[s:e])
+                args = (qi[s:e], ki, w[s:e], idx, n_end, g_buf[s:e], grad[s:e], d_qi[s:e], d_ki, d_w[s:e])
+                if ranges is None or K < PAIRS_MIN_WIDTH:
+                    gluon_kl.launch_bwd(*args)
+                else:
+                    gluon_kl.launch_bwd_pairs(*args, ranges.first[s:e])
                 continue
             except Exception as exc:
                 if variants.strict(request):
@@ -720,7 +731,7 @@ def _backward_from_saved(grad_kl, operands, full2, rowstat, g_buf, chunks, K: in
                                               ranges)
         except GluonTeacherFailed as failed:
             _note_teacher_failure(failed, operands[3])
-    return _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks(), K, scale, bwd_config)
+    return _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks(), K, scale, bwd_config, ranges)
 
 
 def _gluon_full_and_mass(qm, ckv, outside: torch.Tensor, idx: torch.Tensor, n_end: torch.Tensor, scale: float,
@@ -954,7 +965,8 @@ def _kl_backward_gluon_teacher(grad_kl, operands, full_lse, chunks, K: int, scal
             raise GluonTeacherFailed() from exc
         _, full2, rowstat, g = _kl_forward(rows, full_lse[s:e], chunk, K, scale, True, config, True, mass,
                                            ranges=chunk_ranges)
-        dq, dk, dw = _kl_backward(grad_kl[s:e], rows, full2, rowstat, g, chunk, K, scale, bwd_config)
+        dq, dk, dw = _kl_backward(grad_kl[s:e], rows, full2, rowstat, g, chunk, K, scale, bwd_config,
+                                  chunk_ranges)
         d_qi[s:e], d_w[s:e] = dq, dw
         d_ki += dk
     return d_qi, d_ki, d_w
