@@ -39,7 +39,7 @@ def _passes(op: str, device: torch.device) -> list[str]:
     if backend.choose(op, device) == "reference":
         why = ("DSV4ATTN_BACKEND=reference" if backend.forced() == "reference" else
                "Triton not installed" if not backend.triton_available() else "no CUDA device")
-        return [f"  {p:<13} reference ({why})" for p in passes]
+        return [f"  {p:<15} reference ({why})" for p in passes]
     out = []
     for p in passes:
         found = variants.explain(op, p, device)
@@ -47,7 +47,7 @@ def _passes(op: str, device: torch.device) -> list[str]:
         if runs == "triton" and device.type != "cuda":
             runs = "triton (interpreter)"
         others = "; ".join(f"{name}: {reason}" for name, usable, reason in found if not usable)
-        out.append(f"  {p:<13} {runs}" + (f" ({others})" if others else ""))
+        out.append(f"  {p:<15} {runs}" + (f" ({others})" if others else ""))
     return out
 
 

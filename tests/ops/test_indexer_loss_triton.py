@@ -1075,7 +1075,13 @@ def test_gluon_backward_dispatch(monkeypatch):
 
     monkeypatch.setattr(gluon_kl, "check", lambda qi, ki: (True, "stubbed"))
     monkeypatch.setattr(gluon_kl, "launch_bwd", gluon)
-    monkeypatch.setattr(gluon_kl, "launch_bwd_pairs", lambda *args: launched.append("gluon pairs"))
+    pairs_failure = []
+
+    def gluon_pairs(*args, **kwargs):
+        launched.append("gluon pairs")
+        if pairs_failure:
+            raise pairs_failure[0]
+    monkeypatch.setattr(gluon_kl, "launch_bwd_pairs", gluon_pairs)
     monkeypatch.setattr(klt, "_launch", lambda *args: launched.append("triton"))
     monkeypatch.setattr(variants, "FAILED", {})
     monkeypatch.setattr(variants, "_mode", "auto")
@@ -1098,6 +1104,13 @@ def test_gluon_backward_dispatch(monkeypatch):
     monkeypatch.setattr(klt, "PAIRS_MIN_WIDTH", K)
     assert run(ranges=ranges) == ["gluon pairs"]          # wider: rows with one start share a program
     assert run(ranges=ranges, g=None) == ["triton"]
+    # A Triton that cannot build the pair kernel: one warning, the one-row Gluon kernel, not tried again.
+    pairs_failure.append(PTXASError("this Triton cannot build the pair kernel"))
+    with pytest.warns(RuntimeWarning, match=r"rows in pairs .* could not be built for D=128"):
+        assert run(ranges=ranges) == ["gluon pairs", "gluon"]
+    assert run(ranges=ranges) == ["gluon"]
+    pairs_failure.clear()
+    variants.FAILED.clear()
     assert run(dict(KERNEL="triton")) == ["triton"]
     assert run(g=None) == ["triton"]
     monkeypatch.setattr(variants, "_mode", "triton")

@@ -675,20 +675,29 @@ def _kl_backward(grad_kl, operands, full2, rowstat, g_buf, chunks, K: int, scale
                 DOT_T=dot_mode(qm.dtype), DOT_S=dot_mode(qi.dtype))
     request = cfg.get("KERNEL", "auto")
     gluon = has_g and variants.choose("indexer_kl", "backward", (Di, qi.dtype), qi, ki, request=request) == "gluon"
+    key = (Di, qi.dtype)
+    pairs = (gluon and ranges is not None and K >= PAIRS_MIN_WIDTH
+             and variants.choose("indexer_kl", "backward_pairs", key, qi, ki, request=request) == "gluon")
     for s, e, idx, n_end in chunks:
         if gluon and e > s:
-            try:
-                args = (qi[s:e], ki, w[s:e], idx, n_end, g_buf[s:e], grad[s:e], d_qi[s:e], d_ki, d_w[s:e])
-                if ranges is None or K < PAIRS_MIN_WIDTH:
-                    gluon_kl.launch_bwd(*args)
-                else:
+            args = (qi[s:e], ki, w[s:e], idx, n_end, g_buf[s:e], grad[s:e], d_qi[s:e], d_ki, d_w[s:e])
+            if pairs:
+                try:
                     gluon_kl.launch_bwd_pairs(*args, ranges.first[s:e])
+                    continue
+                except Exception as exc:         # d_ki is added to only once both launches ran
+                    if variants.strict(request):
+                        raise
+                    variants.note_gluon_build_failure(exc, "indexer_kl", "backward_pairs", key,
+                                                      "using the one-row Gluon kernel")
+                    pairs = False
+            try:
+                gluon_kl.launch_bwd(*args)
                 continue
             except Exception as exc:
                 if variants.strict(request):
                     raise
-                variants.note_gluon_build_failure(exc, "indexer_kl", "backward", (Di, qi.dtype),
-                                                  "using the Triton kernel")
+                variants.note_gluon_build_failure(exc, "indexer_kl", "backward", key, "using the Triton kernel")
                 gluon = False
         _launch(_indexer_kl_bwd_kernel, e - s,
                 (qi[s:e], ki, w[s:e], qm[s:e], ckv, idx, n_end, grad[s:e], g_buf[s:e] if has_g else grad,
@@ -1063,6 +1072,12 @@ variants.register(
     variants.Variant("gluon", "KL backward kernel (_indexer_kl_bwd_gluon)", lambda qi, ki: gluon_kl.check(qi, ki),
                      sm90),
     variants.Variant("triton", "KL backward kernel (_indexer_kl_bwd_kernel)", variants.always, variants.always))
+variants.register(
+    "indexer_kl", "backward_pairs",
+    variants.Variant("gluon", "KL backward, the warm-up's rows in pairs (_indexer_kl_bwd_pairs_gluon)",
+                     lambda qi, ki: gluon_kl.check(qi, ki), sm90),
+    variants.Variant("triton", "KL backward, one row a program (the backward pass's kernel)", variants.always,
+                     variants.always))
 backend.register_kernel("indexer_kl", indexer_kl_triton)
 
 __all__ = ["indexer_kl_triton", "indexer_kl_op", "indexer_kl_backward_op", "indexer_kl_ranges_op",
