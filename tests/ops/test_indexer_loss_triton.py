@@ -300,9 +300,9 @@ def _gluon_teacher_check(klt) -> dict:
     reference, the two paths bit for bit (here: the ranges pair takes the student's logits from the indexer's score
     kernel and the other pair forms them in the KL kernel; with 3 heads of 16 dims and the index operands on grids
     that make every product and sum exact in fp32, they agree bit for bit in any summation order, on a GPU with
-    inputs of full precision only up to fp32 rounding); and its fallbacks: a build failure of a Gluon kernel in the forward or the
-    backward warns and falls back, a bug in one (not a build failure) and every error of the Triton kernels
-    propagate."""
+    inputs of full precision only up to fp32 rounding); and its fallbacks: a build failure of a Gluon kernel in the
+    forward or the backward warns and falls back, a bug in one (not a build failure) and every error of the Triton
+    kernels propagate."""
     import warnings
 
     from triton.runtime.errors import PTXASError
@@ -981,6 +981,63 @@ def test_gpu_warmup_stack_of_far_apart_segments(save_g, monkeypatch):
         assert calls == [100, 100] * (1 if save_g else 2), calls
     measured = _compare(kernel, _run(indexer_kl_reference, inputs), _run(indexer_kl_reference, inputs, widen=True))
     _assert_within_bounds(f"warmup-stack-save-{save_g}", measured, low_precision=True)
+
+
+@GPU
+def test_gpu_pair_backward_equals_the_one_row_kernel():
+    """gluon_hopper.launch_bwd_pairs against launch_bwd (the one-row kernel, checked against float64 above) on the
+    same materialised ranges and dKL/dI: ragged documents of odd lengths (pairs across document boundaries, rows
+    with no visible entry), an odd row count, a width that is not a multiple of the 64-slot tile, a chunk of one row,
+    and a context-parallel rank's view (an entry table, a shift, a Stack whose parts meet inside a pair). Equal up to
+    the order of fp32 sums: d index_q within one bf16 rounding, d index_k and d index_weights within fp32 sums."""
+    from dsv4attn.ops.index_sets import Rows, Stack, VisibleCompressed, contiguous_ranges
+    from dsv4attn.ops.indexer_loss import gluon_hopper as gluon_kl
+    from dsv4attn.ops.indexer_loss import triton as klt
+
+    if not gluon_kl.available(torch.zeros(1, 64, 128, dtype=torch.bfloat16, device="cuda"),
+                              torch.zeros(1, 128, dtype=torch.bfloat16, device="cuda")):
+        pytest.skip("the Gluon KL backward needs SM90")
+    import dsv4attn
+    from tests.packs import cu_seqlens_of
+
+    device, gen = "cuda", torch.Generator(device="cuda").manual_seed(5)
+    lengths = (1001, 2, 517, 1, 6)
+    pack = dsv4attn.pack_batch(cu_seqlens_of(lengths).to(device), sum(lengths) + 2, max(lengths))
+    T, layout = pack.total_rows, pack.compressed(4)
+    visible = VisibleCompressed(layout, T)
+    n = layout.capacity
+    table = torch.randperm(n, generator=gen, device=device)
+    split = T // 2 + 1                                             # odd: the parts meet inside a pair
+    sets = {"visible": visible,
+            "rank-view": Stack(Rows(visible, 0, split, shift=3, table=table, bound=n),
+                               Rows(visible, split, T - split, shift=3, table=table, bound=n))}
+    for name, cand in sets.items():
+        first, vis, tab, shift = contiguous_ranges(cand)
+        K, rows = cand.width, cand.total_rows
+        assert rows % 2 == 1 and K % 64, (rows, K)
+        keys = n + 3
+        qi = torch.randn(rows, 64, 128, device=device, generator=gen).to(torch.bfloat16)
+        ki = torch.randn(keys, 128, device=device, generator=gen).to(torch.bfloat16)
+        w = torch.randn(rows, 64, device=device, generator=gen) * (64 * 128) ** -0.5
+        grad = torch.rand(rows, device=device, generator=gen) + 0.5
+        for s, e in ((0, rows), (1000, 1001)):                    # the whole set, and a chunk of one row
+            idx = klt.range_rows_triton(first, vis, tab, shift, K, s, e)
+            n_end = vis[s:e].to(torch.int32).contiguous()
+            g = torch.randn(e - s, K, device=device, generator=gen) * (idx >= 0)
+            out = {}
+            for how in ("one row", "pairs"):
+                dq, dk, dw = torch.empty_like(qi[s:e]), torch.zeros(keys, 128, device=device), torch.empty_like(w[s:e])
+                args = (qi[s:e], ki, w[s:e], idx, n_end, g, grad[s:e], dq, dk, dw)
+                if how == "pairs":
+                    gluon_kl.launch_bwd_pairs(*args, first[s:e])
+                else:
+                    gluon_kl.launch_bwd(*args)
+                out[how] = (dq.float(), dk, dw)
+            for what, a, b in zip(("d_index_q", "d_index_k", "d_index_w"), out["one row"], out["pairs"]):
+                scale = a.abs().max().item()
+                tol = 2 ** -8 * scale if what == "d_index_q" else 1e-5 * scale
+                assert scale > 0, (name, s, e, what)
+                assert (a - b).abs().max().item() <= tol, (name, s, e, what, (a - b).abs().max().item(), scale)
 
 
 def test_gluon_teacher_dispatch(monkeypatch):
