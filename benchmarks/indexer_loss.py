@@ -120,8 +120,9 @@ def split(T: int, log) -> None:
     alone over all row chunks, as ``indexer_kl_ranges`` runs them on SM90 (Gluon teacher): materialising the chunks'
     slots, teacher LSE, teacher mass (their range form: one device), the student's logits (the indexer's score
     kernel), the KL forward on that mass (those logits, then the KL terms and dKL/dI), the KL backward kernel on a
-    saved dKL/dI; then the op forward and forward + backward (the backward without a saved dKL/dI forms the mass,
-    the logits and the forward kernel again). FLOPs: teacher logits 2 H D, student dots 2 Hi Di, KL backward
+    saved dKL/dI (one row a program, and as the op runs it: rows in pairs where wide enough); then the op forward
+    and forward + backward (the backward without a saved dKL/dI forms the mass, the logits and the forward kernel
+    again). FLOPs: teacher logits 2 H D, student dots 2 Hi Di, KL backward
     3 x 2 Hi Di per valid (row, slot) pair (the score kernel's FLOPs count the valid pairs only, as the others do)."""
     from dsv4attn.ops.index_sets import contiguous_ranges
     from dsv4attn.ops.indexer_loss import triton as klt
@@ -165,12 +166,13 @@ def split(T: int, log) -> None:
             g[i] = klt._kl_forward(rows, full[s:e], [(0, e - s, idx, n_end)], K, scale, True, cfg, True, mass[i],
                                    ranges=ranges.rows(s, e))
 
-    def kl_backward():
+    def kl_backward(pairs: bool):
         for i, (s, e, idx, n_end) in enumerate(chunks):
             rows = (qi[s:e], ki, w[s:e], qm[s:e], ck)
             _, full2, rowstat, g_rows = g[i]
             klt._kl_backward(grad_kl[s:e], rows, full2, rowstat, g_rows, [(0, e - s, idx, n_end)], K, scale,
-                             klt._bwd_config(klt._tiles(None, klt.BWD_CONFIG, klt.BWD_KEYS, "bwd_config")))
+                             klt._bwd_config(klt._tiles(None, klt.BWD_CONFIG, klt.BWD_KEYS, "bwd_config")),
+                             ranges.rows(s, e) if pairs else None)
     fwd, fwd_bwd = _calls(klt.indexer_kl_triton, inputs)
     teacher, student_flop = 2.0 * pairs * H * D, 2.0 * pairs * HI * DI
     log(f"warm-up teacher by part, T={T}, K={K}, {len(chunks)} row chunks, {pairs} valid (row, slot) pairs")
@@ -180,7 +182,10 @@ def split(T: int, log) -> None:
                            ("teacher mass (Gluon)", teacher_mass, teacher),
                            ("student logits (indexer score kernel)", student, student_flop),
                            ("KL forward, mass given (logits + KL kernel)", kl_forward, student_flop),
-                           ("KL backward kernel, dKL/dI given", kl_backward, 3 * student_flop),
+                           ("KL backward kernel, dKL/dI given, one row a program",
+                            lambda: kl_backward(False), 3 * student_flop),
+                           (f"KL backward kernel, dKL/dI given, as the op runs it (rows in pairs from "
+                            f"{klt.PAIRS_MIN_WIDTH} slots)", lambda: kl_backward(True), 3 * student_flop),
                            ("op forward", fwd, 2 * teacher + student_flop),
                            ("op forward + backward", fwd_bwd, 3 * teacher + 5 * student_flop)):
         ms = time_ms(fn)
