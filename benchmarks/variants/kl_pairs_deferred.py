@@ -83,7 +83,8 @@ _OWNER_LATER = '''            if (b >= 1) & ((b - 1) % 2 == W):         # the pr
                          BLOCK_N)
         nb = gl.cdiv(n_end, BLOCK_N)
         if (nb >= 1) & ((nb - 1) % 2 == W):             # the last tile's
-            _pair_dk(nb - 1, K, IDX, base0, base1, r0, r1, DKI, dx_smem, qi_all, dx_ready, dx_free, dk_zero, BLOCK_N)
+            _pair_dk(nb - 1, K, IDX, base0, base1, r0, r1, DKI, dx_smem, qi_all, dx_ready, dx_free, dk_zero,
+                     BLOCK_N)
         q_heads'''
 
 VARIANTS = {
