@@ -78,7 +78,7 @@ _OWNER_NOW = '''            if u == W:
                 add_reduced(dk, DKI, gl.where(ok, key, 0).to(gl.int64) * HEAD_DIM_C, ok, 0)
         q_heads'''
 
-_OWNER_LATER = '''            if (b >= 1) & ((b - 1) % 2 == W):         # the previous tile's, after this tile's score and dq
+_OWNER_LATER = '''            if (b >= 1) & ((b - 1) % 2 == W):   # the previous tile's, after this tile's score and dq
                 _pair_dk(b - 1, K, IDX, base0, base1, r0, r1, DKI, dx_smem, qi_all, dx_ready, dx_free, dk_zero,
                          BLOCK_N)
         nb = gl.cdiv(n_end, BLOCK_N)
