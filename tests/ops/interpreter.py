@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -49,15 +50,81 @@ def interpreter_problem() -> str | None:
     raise AssertionError(f"the interpreter probe failed:\n{proc.stderr[-4000:]}")
 
 
+class _Background:
+    """Interpreter workers started when the session's tests are known (tests/conftest.py), so that they run on the
+    machine's other cores while the parent process runs the other tests: the six workers are most of the suite's
+    CPU time. One runs at a time per spare core, in the order the tests will ask for them."""
+
+    def __init__(self):
+        self.jobs: dict[str, dict] = {}
+        self.lock = threading.Lock()
+        self.stopped = False
+
+    def start(self, modules: list[str], slots: int, timeout: int) -> None:
+        gate = threading.Semaphore(max(1, slots))
+        for module in modules:
+            job = self.jobs[module] = dict(done=threading.Event(), proc=None, result=None)
+            threading.Thread(target=self._run, args=(module, job, gate, timeout), daemon=True).start()
+
+    def _run(self, module: str, job: dict, gate: threading.Semaphore, timeout: int) -> None:
+        with gate:
+            try:
+                with self.lock:
+                    if self.stopped:
+                        return
+                    job["proc"] = subprocess.Popen(_command(module), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                                   stderr=subprocess.PIPE, text=True)
+                out, err = job["proc"].communicate(timeout=timeout)
+                job["result"] = (job["proc"].returncode, out, err)
+            except BaseException as exc:  # handed to the test that asks for this worker
+                job["result"] = exc
+            finally:
+                job["done"].set()
+
+    def take(self, module: str):
+        """(returncode, stdout, stderr) of the background run of ``module``, waiting for it; None if none was
+        started."""
+        job = self.jobs.pop(module, None)
+        if job is None:
+            return None
+        job["done"].wait()
+        if isinstance(job["result"], BaseException):
+            if isinstance(job["result"], subprocess.TimeoutExpired):
+                job["proc"].kill()
+            raise job["result"]
+        return job["result"]
+
+    def stop(self) -> None:
+        """Kill the workers no test took (a session ended early, e.g. by -x)."""
+        with self.lock:
+            self.stopped = True
+            for job in self.jobs.values():
+                if job["proc"] is not None and job["proc"].poll() is None:
+                    job["proc"].kill()
+
+
+BACKGROUND = _Background()
+
+
+def _env() -> dict:
+    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _command(module: str) -> list[str]:
+    return [sys.executable, "-c", f"from {module} import _worker; _worker()"]
+
+
 def run_worker(module: str, timeout: int = 600) -> dict:
-    """Run ``module._worker()`` under the Triton interpreter; return the dict it printed. Skips (with the reason)
-    where the worker ran into a known bug of this Triton's interpreter (:func:`interpreter_problem`)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = f"from {module} import _worker; _worker()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    if proc.returncode and "only 0-dimensional arrays can be converted" in proc.stderr and interpreter_problem():
+    """Run ``module._worker()`` under the Triton interpreter (or take the run started in the background); return the
+    dict it printed. Skips (with the reason) where the worker ran into a known bug of this Triton's interpreter
+    (:func:`interpreter_problem`)."""
+    done = BACKGROUND.take(module)
+    if done is None:
+        proc = subprocess.run(_command(module), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+        done = (proc.returncode, proc.stdout, proc.stderr)
+    returncode, stdout, stderr = done
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULTS ")]
+    if returncode and "only 0-dimensional arrays can be converted" in stderr and interpreter_problem():
         pytest.skip(interpreter_problem())
-    assert proc.returncode == 0 and lines, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert returncode == 0 and lines, f"interpreter worker failed:\n{stdout[-4000:]}\n{stderr[-4000:]}"
     return json.loads(lines[-1][len("RESULTS "):])
