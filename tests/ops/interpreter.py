@@ -77,6 +77,8 @@ class _Background:
                 out, err = job["proc"].communicate(timeout=timeout)
                 job["result"] = (job["proc"].returncode, out, err)
             except BaseException as exc:  # handed to the test that asks for this worker
+                if job["proc"] is not None:
+                    job["proc"].kill()
                 job["result"] = exc
             finally:
                 job["done"].set()
@@ -89,8 +91,6 @@ class _Background:
             return None
         job["done"].wait()
         if isinstance(job["result"], BaseException):
-            if isinstance(job["result"], subprocess.TimeoutExpired):
-                job["proc"].kill()
             raise job["result"]
         return job["result"]
 
