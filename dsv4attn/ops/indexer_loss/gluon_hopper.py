@@ -21,7 +21,9 @@ row and slot: 69 GB at 32K over every visible entry), and neighbouring rows of o
 the same slots. A program then owns rows 2p and 2p + 1: the producer gathers each tile's keys once, consumer W forms
 row W's x, dx and dq on every tile, and the tile's d index_k = [dx0; dx1]^T [qi0; qi1] (K = 128 heads) is formed and
 reduced once, by consumer (tile % 2): half the reductions, the same products. dx goes through a double buffer in
-shared memory that the other consumer may overwrite only after the owner's product (``dx_free``).
+shared memory that the other consumer may overwrite only after the owner's product (``dx_free``). The owner forms
+a tile's d index_k one tile late, after its score and dq of the next tile: the other consumer's dx of that tile is
+written by then, so the two consumers do not wait on each other's step of the same tile.
 
 The default on SM90 (``BWD_CONFIG["KERNEL"]`` "auto"): about half the Triton kernel's time at the V4 shapes
 (BENCHMARKS.md, "Indexer KL loss"); the GPU tests check both against float64.
@@ -200,13 +202,29 @@ if IMPORTED:
         async_copy.wait_group(0)
 
     @gluon.jit
+    def _pair_dk(b, K, IDX, base0, base1, r0, r1, DKI, dx_smem, qi_all, dx_ready, dx_free, dk_zero,
+                 BLOCK_N: gl.constexpr):
+        """d index_k rows of tile b's slots: both rows' heads as the product's K, then freed for tile b + 2."""
+        red_slots: gl.constexpr = gl.SliceLayout(1, reduction_layout(BLOCK_N, HEAD_DIM_C))
+        u = b % 2
+        z = loop_zero(b, K)
+        mbarrier.wait(dx_ready.index(u), (b // 2) & 1)
+        dk = warpgroup_mma(dx_smem.index(u + z).permute((1, 0)), qi_all.index(z), dk_zero, use_acc=False)
+        mbarrier.arrive(dx_free.index(u))
+        n_red = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=red_slots)
+        i0 = gl.load(IDX + base0 + n_red, mask=(n_red < K) & (r0 >= 0), other=-1)
+        i1 = gl.load(IDX + base1 + n_red, mask=(n_red < K) & (r1 >= 0), other=-1)
+        key = gl.where(i0 >= 0, i0, i1)
+        ok = key >= 0
+        add_reduced(dk, DKI, gl.where(ok, key, 0).to(gl.int64) * HEAD_DIM_C, ok, 0)
+
+    @gluon.jit
     def _pair_consumer(W_, IDX, G, GRAD, DQI, DKI, DW, K, r0, r1, n_end, qi_all, ring, dx_smem, full, empty,
                        dx_ready, dx_free, W: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         x_layout: gl.constexpr = X_LAYOUT
         q_layout: gl.constexpr = Q_LAYOUT
         row_layout: gl.constexpr = gl.SliceLayout(1, x_layout)
         slot_layout: gl.constexpr = gl.SliceLayout(0, x_layout)
-        red_slots: gl.constexpr = gl.SliceLayout(1, reduction_layout(BLOCK_N, HEAD_DIM_C))
         row = r0 if W == 0 else r1
         active = row >= 0
         base = gl.maximum(row, 0).to(gl.int64)
@@ -242,17 +260,14 @@ if IMPORTED:
             mbarrier.arrive(dx_ready.index(u))
             dq = warpgroup_mma(dx_mine, keys, dq)
             mbarrier.arrive(empty.index(stage))
-            if u == W:
-                # d index_k rows of the tile's 64 slots, both rows' 128 heads as the product's K.
-                mbarrier.wait(dx_ready.index(u), use & 1)
-                dk = warpgroup_mma(dx_smem.index(u + z).permute((1, 0)), qi_all.index(z), dk_zero, use_acc=False)
-                mbarrier.arrive(dx_free.index(u))
-                n_red = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=red_slots)
-                i0 = gl.load(IDX + base0 + n_red, mask=(n_red < K) & (r0 >= 0), other=-1)
-                i1 = gl.load(IDX + base1 + n_red, mask=(n_red < K) & (r1 >= 0), other=-1)
-                key = gl.where(i0 >= 0, i0, i1)
-                ok = key >= 0
-                add_reduced(dk, DKI, gl.where(ok, key, 0).to(gl.int64) * HEAD_DIM_C, ok, 0)
+            # Tile b - 1's owner forms its d index_k only now, after this tile's score and dq: the other consumer's
+            # dx of b - 1 is long written, so neither consumer waits on the other's step of the same tile.
+            if (b >= 1) & ((b - 1) % 2 == W):
+                _pair_dk(b - 1, K, IDX, base0, base1, r0, r1, DKI, dx_smem, qi_all, dx_ready, dx_free, dk_zero,
+                         BLOCK_N)
+        nb = gl.cdiv(n_end, BLOCK_N)
+        if (nb >= 1) & ((nb - 1) % 2 == W):
+            _pair_dk(nb - 1, K, IDX, base0, base1, r0, r1, DKI, dx_smem, qi_all, dx_ready, dx_free, dk_zero, BLOCK_N)
         q_heads = gl.arange(0, HEADS_C, layout=gl.SliceLayout(1, q_layout))
         q_dims = gl.arange(0, HEAD_DIM_C, layout=gl.SliceLayout(0, q_layout))
         gl.store(DQI + (base * HEADS_C + q_heads.to(gl.int64))[:, None] * HEAD_DIM_C + q_dims[None, :],
