@@ -10,7 +10,7 @@ entry, as the warm-up runs them on one device.
     python benchmarks/kernel_variants.py benchmarks/variants/teacher_release_per_thread.py --build-only
     python benchmarks/kernel_variants.py benchmarks/variants/teacher_release_per_thread.py --T 8192 32768 --rounds 5
 
-Inputs: one document of T rows (q (T, H, 512), T / 4 compressed entries, K = T / 4 slots a row); the mass takes the
+Inputs: one document of T rows (q (T, 64, 512), T / 4 compressed entries, K = T / 4 slots a row); the mass takes the
 LSE as its full denominator.
 """
 import torch
@@ -19,16 +19,16 @@ KERNEL = "_teacher_lse_ranges_gluon"
 
 
 def inputs(T, H, device):
-    import dsv4attn
-    from dsv4attn.ops.index_sets import VisibleCompressed, contiguous_ranges
+    """The KL benchmark's warm-up inputs (``benchmarks/indexer_loss.py``; it takes H = 64), its candidates as ranges."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from indexer_loss import make_inputs
+    from dsv4attn.ops.index_sets import contiguous_ranges
     from dsv4attn.ops.indexer_loss import triton as klt
-    gen = torch.Generator(device=device).manual_seed(0)
-    lay = dsv4attn.pack_batch(torch.tensor([0, T], dtype=torch.int32, device=device), T, T).compressed(4)
-    cand = VisibleCompressed(lay, T)
+    (_, _, _, q, ck, _, cand, _), _ = make_inputs(T, "warmup")
     first, visible, table, shift = contiguous_ranges(cand)
     idx = klt.range_rows_triton(first, visible, table, shift, cand.width, 0, T)
-    q = torch.randn(T, H, 512, device=device, generator=gen).to(torch.bfloat16)
-    ck = torch.randn(lay.capacity, 512, device=device, generator=gen).to(torch.bfloat16)
     return dict(q=q, ck=ck, idx=idx, n_end=visible.to(torch.int32), first=first)
 
 
