@@ -35,7 +35,7 @@ from __future__ import annotations
 # Bound whether or not Gluon imports, so that the kernel modules' imports of them always work.
 gluon = gl = async_copy = mbarrier = tma = fence_async_shared = warpgroup_mma = warpgroup_mma_wait = None
 TensorDescriptor = async_load = tma_load = thread_barrier = None
-program_row = row_blocks = loop_zero = mbarriers = slot_rows = gather_rows = None
+program_row = row_blocks = loop_zero = mbarriers = release = slot_rows = gather_rows = None
 copy_heads = store_heads = ring_gather = None
 rotate_channel_pairs = None
 reduction_layout = add_reduced = None
@@ -150,6 +150,14 @@ if IMPORTED:
         for i in gl.static_range(n):
             mbarrier.init(bars.index(i), count=count)
         return bars
+
+    @gluon.jit
+    def release(bar):
+        # Every thread of the calling warpgroup arrives on ``bar`` itself, so its count takes 128 per warpgroup.
+        # ``mbarrier.arrive`` lowers to a bar.sync of the warpgroup and one thread's arrive; a buffer read only by
+        # wgmma products that each thread has already waited for needs no such barrier (measured: the warm-up
+        # teacher 1.02-1.06x, BENCHMARKS.md). Callers issue no cp.async of their own, so the arrival is immediate.
+        async_copy.mbarrier_arrive(bar, increment_count=False)
 
     @gluon.jit
     def slot_rows(IDX, row_base, b, r: gl.constexpr, K, BLOCK_N: gl.constexpr, layout: gl.constexpr):

@@ -34,7 +34,7 @@ import torch
 
 from ..gluon_common import (IMPORTED, add_reduced, add_unpermuted, async_copy, async_load, fence_async_shared,
                             gather_rows, gl, gluon, half_precision, loop_zero, mbarrier, mbarriers, reduction_layout,
-                            sm90, warpgroup_mma)
+                            release, sm90, warpgroup_mma)
 
 HEADS, HEAD_DIM = 64, 128
 BLOCK_N = 64        # key rows per tile: the d index_k product's M (one warpgroup's wgmma has M = 64)
@@ -210,7 +210,7 @@ if IMPORTED:
         z = loop_zero(b, K)
         mbarrier.wait(dx_ready.index(u), (b // 2) & 1)
         dk = warpgroup_mma(dx_smem.index(u + z).permute((1, 0)), qi_all.index(z), dk_zero, use_acc=False)
-        mbarrier.arrive(dx_free.index(u))
+        release(dx_free.index(u))
         n_red = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=red_slots)
         i0 = gl.load(IDX + base0 + n_red, mask=(n_red < K) & (r0 >= 0), other=-1)
         i1 = gl.load(IDX + base1 + n_red, mask=(n_red < K) & (r1 >= 0), other=-1)
@@ -259,7 +259,7 @@ if IMPORTED:
             fence_async_shared()
             mbarrier.arrive(dx_ready.index(u))
             dq = warpgroup_mma(dx_mine, keys, dq)
-            mbarrier.arrive(empty.index(stage))
+            release(empty.index(stage))
             # Tile b - 1's owner forms its d index_k only now, after this tile's score and dq: the other consumer's
             # dx of b - 1 is long written, so neither consumer waits on the other's step of the same tile.
             if (b >= 1) & ((b - 1) % 2 == W):
@@ -291,9 +291,9 @@ if IMPORTED:
         dx_smem = gl.allocate_shared_memory(dtype, [2, 2 * HEADS_C, BLOCK_N],
                                             gl.NVMMASharedLayout.get_default_for([2 * HEADS_C, BLOCK_N], dtype))
         full = mbarriers(STAGES, 128)
-        empty = mbarriers(STAGES, 2)
+        empty = mbarriers(STAGES, 256)
         dx_ready = mbarriers(2, 2)
-        dx_free = mbarriers(2, 1)
+        dx_free = mbarriers(2, 128)
         gl.warp_specialize([
             (_pair_consumer, (W_, IDX, G, GRAD, DQI, DKI, DW, K, r0, r1, n_end, qi_all, ring, dx_smem, full, empty,
                               dx_ready, dx_free, gl.constexpr(0), BLOCK_N, STAGES)),

@@ -48,8 +48,9 @@ import warnings
 import torch
 
 from ..gluon_common import (BLOCK_H, IMPORTED, TensorDescriptor, async_copy, copy_heads, fence_async_shared, gl, gluon,
-                            half_precision, mbarrier, mbarriers, program_row, ring_gather, rotate_channel_pairs,
-                            row_blocks, sm90, store_heads, tma_load, warpgroup_mma, warpgroup_mma_wait)
+                            half_precision, mbarrier, mbarriers, program_row, release, ring_gather,
+                            rotate_channel_pairs, row_blocks, sm90, store_heads, tma_load, warpgroup_mma,
+                            warpgroup_mma_wait)
 from ... import variants
 from ..index_sets import row_ends
 
@@ -302,7 +303,7 @@ if IMPORTED:
         mbarrier.wait(full.index(b % STAGES), (b // STAGES) & 1)
         fence_async_shared()
         s = warpgroup_mma(q_smem, ring.index(b % STAGES).permute((1, 0)), s_zero, use_acc=False)
-        mbarrier.arrive(empty.index(b % STAGES))
+        release(empty.index(b % STAGES))
         return n, idx, s
 
     @gluon.jit
@@ -358,12 +359,13 @@ if IMPORTED:
                          ARRIVALS: gl.constexpr):
         # The teacher kernels' shared memory: q of the head block, the ring of STAGES blocks, and its barriers (full:
         # ARRIVALS = the gathering producer's 128 threads, or 1 expect-bytes arrival per TMA block; empty: each stage
-        # is used by one consumer). The layouts are those of the range form's TMA descriptors (_range_descs).
+        # is used by one consumer warpgroup, whose 128 threads each arrive). The layouts are those of the range
+        # form's TMA descriptors (_range_descs).
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H_C, D],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
         ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
-        return q_smem, ring, mbarriers(STAGES, ARRIVALS), mbarriers(STAGES, 1)
+        return q_smem, ring, mbarriers(STAGES, ARRIVALS), mbarriers(STAGES, 128)
 
     @gluon.jit
     def _teacher_mass_gluon(Q, CKV, IDX, NEND, FULL_LSE, MASS, H, K, qk_scale,

@@ -38,8 +38,9 @@ import torch
 
 from .. import gluon_common
 from ..gluon_common import (BLOCK_H, IMPORTED, add_reduced, add_unpermuted, copy_heads, fence_async_shared, gl, gluon,
-                            loop_zero, mbarrier, mbarriers, program_row, reduction_layout, ring_gather,
-                            rotate_channel_pairs, row_blocks, store_heads, warpgroup_mma, warpgroup_mma_wait)
+                            loop_zero, mbarrier, mbarriers, program_row, reduction_layout, release,
+                            ring_gather, rotate_channel_pairs, row_blocks, store_heads, warpgroup_mma,
+                            warpgroup_mma_wait)
 from ..index_sets import row_ends
 from . import gluon_hopper
 from .gluon_hopper import LOG2E
@@ -133,7 +134,7 @@ if IMPORTED:
             fence_async_shared()
             mbarrier.arrive(pready.index(buf))
             dq = warpgroup_mma(ds_buf.index(buf + z), ring.index(z).slice(0, HALF, dim=1), dq)
-            mbarrier.arrive(empty.index(0))
+            release(empty.index(0))
         # The producer gathers nothing more and this warpgroup's last read of kv columns [0, HALF) is done.
         store_heads(dq, DQ, t, H, hb, 0, ring.index(0).slice(0, HALF, dim=1), D)
 
@@ -161,7 +162,7 @@ if IMPORTED:
             mbarrier.wait(pready.index(buf), (b // 2) & 1)
             fence_async_shared()
             dq = warpgroup_mma(ds_buf.index(buf + z), ring.index(z).slice(HALF, HALF, dim=1), dq)
-            mbarrier.arrive(empty.index(0))
+            release(empty.index(0))
             p_t = p_buf.index(buf + z).permute((1, 0))          # (slots, heads)
             ds_t = ds_buf.index(buf + z).permute((1, 0))
             do_z = do_all.index(z)
@@ -178,7 +179,7 @@ if IMPORTED:
                     acc = warpgroup_mma_wait(2, deps=[acc])
                 else:
                     acc = warpgroup_mma_wait(0, deps=[acc])
-                    mbarrier.arrive(pfree.index(buf))           # the last products have read P and dS
+                    release(pfree.index(buf))           # the last products have read P and dS
                 # Whole 128-byte lines per warp, columns permuted (the post-pass undoes it): the reductions are this
                 # kernel's largest cost (BENCHMARKS.md).
                 add_reduced(acc, DKV, rows, valid, c * CHUNK)
@@ -202,9 +203,9 @@ if IMPORTED:
         p_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)
         ds_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_H_C, BLOCK_N], t_layout)
         full = mbarriers(1, 128)        # the producer's 128 threads' cp.async completions
-        empty = mbarriers(1, 2)         # both consumers' dq products have read the tile
+        empty = mbarriers(1, 256)       # both consumers' dq products have read the tile (every thread arrives)
         pready = mbarriers(2, 1)
-        pfree = mbarriers(2, 1)
+        pfree = mbarriers(2, 128)       # the dKV warpgroup's threads
         gl.warp_specialize([
             (_bwd_softmax, (IDX, nb, DQ, DENOM2, DELTA, COS, SIN, H, K, qk_scale_log2, scale, t, hb, q_all, do_all,
                             ring, p_buf, ds_buf, full, empty, pready, pfree, D, BLOCK_N, ROPE, RW)),
