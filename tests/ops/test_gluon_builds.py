@@ -7,7 +7,7 @@ once, at its launcher's default config (the forward also with the output rotatio
 types (bf16, D = 512 for the attention; pointer arguments 16-byte aligned, as the runtime specialises them), and
 checks that its shared memory fits an SM90 block.
 Cost with a cold Triton cache on a 2-core CPU: about 30 s of CPU time with Triton 3.9, 20 s with 3.6 (one child
-process compiles all eleven; a warm cache skips the compiles).
+process compiles all twelve; a warm cache skips the compiles).
 
 :func:`gluon_kernels` and :func:`compile_sm90` also serve offline studies of a kernel (registers, spills, SASS).
 """
@@ -74,11 +74,13 @@ def gluon_kernels():
          dict(Q_DESC=row_desc, KV_DESC=row_desc, FIRST=i32, IDX=i32, NEND=i32, LSE=f32, H="i32", K="i32",
               qk_scale_log2="fp32"),
          dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
-        ("attn_bwd", attn_bwd._sparse_attn_bwd_gluon,
-         dict(Q=bf, DO=bf, KV=bf, IDX=i32, NEND=i32, DENOM2=f32, DELTA=f32, DQ=bf, DKV=f32, COS=f32, SIN=f32,
-              H="i32", K="i32", qk_scale_log2="fp32", scale="fp32"),
-         dict(D=512, BLOCK_N=attn_bwd.BLOCK_N, CHUNK=bwd["CHUNK"], num_warps=4, REGS=tuple(bwd["REGS"]), ROPE=32,
-              RW=attn_bwd.rotated_width(32))),
+        # The backward's deterministic form (dKV stored per slot), then its default (last: kernel_variants.py).
+        *[(name, attn_bwd._sparse_attn_bwd_gluon,
+           dict(Q=bf, DO=bf, KV=bf, IDX=i32, NEND=i32, DENOM2=f32, DELTA=f32, DQ=bf, DKV=f32, COS=f32, SIN=f32,
+                H="i32", K="i32", qk_scale_log2="fp32", scale="fp32"),
+           dict(D=512, BLOCK_N=attn_bwd.BLOCK_N, CHUNK=bwd["CHUNK"], num_warps=4, REGS=tuple(bwd["REGS"]), ROPE=32,
+                RW=attn_bwd.rotated_width(32), DETERMINISTIC=det))
+          for name, det in (("attn_bwd_deterministic", True), ("attn_bwd", False))],
         ("indexer_scores", scores._indexer_orders_gluon, score_sig, score_consts[False]),
         ("indexer_scores_table", scores._indexer_orders_gluon, score_sig, score_consts[True]),
         ("kl_bwd", kl._indexer_kl_bwd_gluon,
@@ -128,7 +130,8 @@ def handed_over_slots_in_scratch(llir: str) -> tuple[list[int], int]:
 
 
 KERNEL_NAMES = ["attn_fwd", "attn_fwd_no_rope", "teacher_mass", "teacher_lse", "teacher_mass_ranges",
-                "teacher_lse_ranges", "attn_bwd", "indexer_scores", "indexer_scores_table", "kl_bwd", "kl_bwd_pairs"]
+                "teacher_lse_ranges", "attn_bwd_deterministic", "attn_bwd", "indexer_scores", "indexer_scores_table",
+                "kl_bwd", "kl_bwd_pairs"]
 
 
 def _worker():

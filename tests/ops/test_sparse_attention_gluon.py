@@ -460,8 +460,9 @@ def _stub_bwd(monkeypatch, gluon_error=None):
     raises ``gluon_error``), Triton launches by their parts. Returns the record and _sparse_attn_bwd's arguments."""
     launched = []
 
-    def gluon(*args, **kwargs):
-        launched.append("gluon" if gluon_error is None else "gluon (failed)")
+    def gluon(*args, deterministic_rows=None, **kwargs):
+        launched.append(("gluon" if deterministic_rows is None else f"gluon-det {deterministic_rows}")
+                        + ("" if gluon_error is None else " (failed)"))
         if gluon_error is not None:
             raise gluon_error
 
@@ -483,13 +484,19 @@ def _stub_bwd(monkeypatch, gluon_error=None):
 
 
 def test_default_backward_takes_the_one_pass_gluon_kernel_where_it_applies(monkeypatch):
-    """SM90 default: the one-pass Gluon backward alone; the deterministic mode, DSV4ATTN_KERNELS=triton, an
-    explicit Triton config and machines without the kernel run the Triton kernel."""
+    """SM90 default: the one-pass Gluon backward alone, in the deterministic mode too (in chunks of rows sized as
+    the Triton kernel's: all 2 rows here); DSV4ATTN_KERNELS=triton, an explicit Triton config and machines without
+    the kernel run the Triton kernel."""
     launched, args = _stub_bwd(monkeypatch)
     sat._sparse_attn_bwd(*args)
     assert launched == ["gluon"]
     launched.clear()
     sat._sparse_attn_bwd(*args, deterministic=True)
+    assert launched == ["gluon-det 2"]
+    launched.clear()
+    monkeypatch.setattr(variants, "_mode", "triton")
+    sat._sparse_attn_bwd(*args, deterministic=True)
+    monkeypatch.setattr(variants, "_mode", "auto")
     assert launched == ["DQ", "DKV-det"]
     launched.clear()
     sat._sparse_attn_bwd(*args, sat.BWD_CONFIGS[512])

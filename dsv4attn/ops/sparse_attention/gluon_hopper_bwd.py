@@ -5,7 +5,8 @@ D = 512, ``kv (N >= 1, D)`` in q's dtype, ``idx (T, K)`` int32 (-1 = empty slot)
 each head's full denominator logaddexp(lse, sink), ``delta (T, H)`` fp32 = rowsum(dO * out) ->
 
 - ``dq (T, H, D)`` in q's dtype: ``dq[t] = sum_k ds[:, k] kv[idx[t, k]]``, written once;
-- adds to ``dkv (N, D)`` fp32, for every valid slot k of row t, ``ds[:, k]^T q[t] + p[:, k]^T dO[t]``;
+- adds to ``dkv (N, D)`` fp32, for every valid slot k of row t, ``ds[:, k]^T q[t] + p[:, k]^T dO[t]`` (float
+  atomics; in the deterministic mode stored per slot and summed in a fixed order afterwards, :func:`launch`);
 
 with ``p = exp2(scale log2e q.kv - denom2)`` (0 at empty slots) and ``ds = scale p (dO.kv - delta)``; the operands of
 every product are rounded to the input dtype, sums are fp32. Delta comes from the bf16/fp16 output (the caller's
@@ -42,6 +43,7 @@ from ..gluon_common import (BLOCK_H, IMPORTED, add_reduced, add_unpermuted, copy
                             ring_gather, rotate_channel_pairs, row_blocks, store_heads, warpgroup_mma,
                             warpgroup_mma_wait)
 from ..index_sets import row_ends
+from .segment_sum import add_rows_by_key
 from . import gluon_hopper
 from .gluon_hopper import LOG2E
 
@@ -140,7 +142,7 @@ if IMPORTED:
 
     @gluon.jit
     def _bwd_dkv(IDX, nb, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready, pfree,
-                 D: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
+                 D: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, DETERMINISTIC: gl.constexpr):
         HALF: gl.constexpr = D // 2
         CHUNKS: gl.constexpr = D // CHUNK
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -151,13 +153,21 @@ if IMPORTED:
         c_zero = gl.zeros([BLOCK_N, CHUNK], gl.float32, layout=c_layout)
         red_layout: gl.constexpr = reduction_layout(BLOCK_N, CHUNK)
         row_base = t * K
+        if DETERMINISTIC:       # DKV: the launch's per-(head block, row, slot) buffer
+            row_base_out = (hb * (gl.num_programs(0) // (H // BLOCK_H_C)) + t) * K
         for b in range(nb):
             z = loop_zero(b, K)
             buf = b % 2
-            n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, red_layout))
-            idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
-            valid = idx >= 0
-            rows = gl.where(valid, idx, 0).to(gl.int64) * D
+            if DETERMINISTIC:   # plain stores straight from the accumulator's layout, one writer per element
+                n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, c_layout))
+                idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
+                valid = idx >= 0
+                rows = (row_base_out + n).to(gl.int64) * D
+            else:
+                n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, red_layout))
+                idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
+                valid = idx >= 0
+                rows = gl.where(valid, idx, 0).to(gl.int64) * D
             mbarrier.wait(full.index(0), b & 1)
             mbarrier.wait(pready.index(buf), (b // 2) & 1)
             fence_async_shared()
@@ -182,7 +192,11 @@ if IMPORTED:
                     release(pfree.index(buf))           # the last products have read P and dS
                 # Whole 128-byte lines per warp, columns permuted (the post-pass undoes it): the reductions are this
                 # kernel's largest cost (BENCHMARKS.md).
-                add_reduced(acc, DKV, rows, valid, c * CHUNK)
+                if DETERMINISTIC:
+                    cols = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, c_layout))
+                    gl.store(DKV + rows[:, None] + cols[None, :], acc, mask=valid[:, None])
+                else:
+                    add_reduced(acc, DKV, rows, valid, c * CHUNK)
                 if c + 1 < CHUNKS:
                     acc = nxt
         store_heads(dq, DQ, t, H, hb, HALF, ring.index(0).slice(HALF, HALF, dim=1), D)
@@ -190,7 +204,8 @@ if IMPORTED:
     @gluon.jit
     def _sparse_attn_bwd_gluon(Q, DO, KV, IDX, NEND, DENOM2, DELTA, DQ, DKV, COS, SIN, H, K, qk_scale_log2, scale,
                                D: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr,
-                               REGS: gl.constexpr, ROPE: gl.constexpr, RW: gl.constexpr):
+                               REGS: gl.constexpr, ROPE: gl.constexpr, RW: gl.constexpr,
+                               DETERMINISTIC: gl.constexpr):
         t, hb = program_row(H)
         nb = row_blocks(NEND, t, BLOCK_N)       # up to the row's last valid slot
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -210,16 +225,20 @@ if IMPORTED:
             (_bwd_softmax, (IDX, nb, DQ, DENOM2, DELTA, COS, SIN, H, K, qk_scale_log2, scale, t, hb, q_all, do_all,
                             ring, p_buf, ds_buf, full, empty, pready, pfree, D, BLOCK_N, ROPE, RW)),
             (_bwd_dkv, (IDX, nb, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready,
-                        pfree, D, BLOCK_N, CHUNK)),
+                        pfree, D, BLOCK_N, CHUNK, DETERMINISTIC)),
             (_bwd_producer, (Q, DO, KV, IDX, nb, H, K, t, hb, q_all.index(0), do_all.index(0), ring, full, empty, D,
                              BLOCK_N))],
             [4, 4], [REGS[0], REGS[1]])
 
 
-def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None, rope=None):
+def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None, rope=None, deterministic_rows=None):
     """Fills ``dq`` (T, H, D) and adds to ``dkv`` (N, D) fp32 (module docstring; T >= 1, N >= 1).
     ``config``: :data:`BWD_CONFIG` keys. ``rope``: None or the (T, R/2) fp32 (cos, sin) tables of the forward's
-    output rotation: ``do`` is in that frame and is rotated forward once it is in shared memory."""
+    output rotation: ``do`` is in that frame and is rotated forward once it is in shared memory.
+    ``deterministic_rows``: None adds dKV with float atomics (their order varies between runs); a row count makes
+    dKV bitwise repeatable: the kernel runs over chunks of that many query rows, stores each (head block, row, slot)
+    contribution to a buffer (``H / 64 * rows * K * D`` fp32) and :func:`.segment_sum.add_rows_by_key` adds the
+    buffer into dKV key by key in a fixed order, chunk after chunk. dq is the same in both modes."""
     unknown = sorted(set(config or {}) - set(BWD_CONFIG))
     if unknown:
         raise ValueError(f"Gluon backward config: unknown keys {unknown}; expected some of {sorted(BWD_CONFIG)}")
@@ -229,12 +248,26 @@ def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None, rope=None
     if K == 0:                  # no slot anywhere: zero gradients (the consumers need at least one tile)
         dq.zero_()
         return
-    acc = torch.zeros_like(dkv)                 # dKV with each 16-column group permuted (see _bwd_dkv)
     cos, sin = rope if rope is not None else (q, q)        # never read without RoPE channels (ROPE = 0)
     pairs = 0 if rope is None else cos.shape[1]
-    _sparse_attn_bwd_gluon[(T * (H // BLOCK_H),)](
-        q, do, kv, idx, row_ends(idx), denom2, delta, dq, acc, cos, sin, H, K, scale * LOG2E, scale,
-        D=D, BLOCK_N=BLOCK_N, CHUNK=cfg["CHUNK"], num_warps=4, REGS=tuple(cfg["REGS"]), ROPE=pairs,
-        RW=rotated_width(pairs))
-    add_unpermuted(dkv, acc)
+    n_end = row_ends(idx)
+    num_hb = H // BLOCK_H
 
+    def rows(s, e, out, deterministic):
+        # Row slices are views: the kernel sees chunk-local row numbers.
+        _sparse_attn_bwd_gluon[((e - s) * num_hb,)](
+            q[s:e], do[s:e], kv, idx[s:e], n_end[s:e], denom2[s:e], delta[s:e], dq[s:e], out, cos[s:e], sin[s:e],
+            H, K, scale * LOG2E, scale, D=D, BLOCK_N=BLOCK_N, CHUNK=cfg["CHUNK"], num_warps=4,
+            REGS=tuple(cfg["REGS"]), ROPE=pairs, RW=rotated_width(pairs), DETERMINISTIC=deterministic)
+
+    if deterministic_rows is None:
+        acc = torch.zeros_like(dkv)             # dKV with each 16-column group permuted (see _bwd_dkv)
+        rows(0, T, acc, False)
+        add_unpermuted(dkv, acc)
+        return
+    step = max(1, min(T, int(deterministic_rows)))
+    buf = torch.empty(num_hb * step * K * D, dtype=torch.float32, device=q.device)     # columns in natural order
+    for s in range(0, T, step):
+        e = min(s + step, T)
+        rows(s, e, buf, True)
+        add_rows_by_key(dkv, idx[s:e], buf, num_hb)

@@ -17,7 +17,7 @@ row gathers by a producer warpgroup; the Triton pipeliner leaves these gathers s
 
 Backward: first an elementwise pre-pass (:func:`_delta_from_out`) forms Delta = rowsum(dO * out) in fp32 from the
 saved output (in its own dtype), as FlashAttention and cuDNN do; d_sink follows from Delta in PyTorch. Then, on SM90
-GPUs (bf16/fp16, H % 64 == 0, D = 512, not deterministic), the one-pass Gluon kernel of :mod:`.gluon_hopper_bwd`;
+GPUs (bf16/fp16, H % 64 == 0, D = 512), the one-pass Gluon kernel of :mod:`.gluon_hopper_bwd`;
 elsewhere the Triton kernel :func:`_sparse_attn_bwd_rows_kernel`, one program per (row, head block) over all D
 columns: q and dO loaded once, each gathered kv tile loaded once and used as keys and values; p recomputed from the
 saved lse, ``dz = p * (dO.v - Delta)``, ``dq = scale * dz kv`` and the dKV rows ``scale * dz^T q + p^T dO`` (fp32,
@@ -26,11 +26,11 @@ atomically added: T * K * D fp32 adds per head block in every layout). ``LAYOUT`
 s, dp, dq, and the two dKV terms), or ``SPLIT``, a dq launch then a dKV launch (7: s and dp formed twice), for
 D = 512 where no program can hold the 64 x 512 fp32 dq accumulator beside a dKV tile.
 
-Deterministic backward (``deterministic=True``): the launches that produce dKV store each (row, slot)
-contribution to a fp32 buffer instead (no atomics), over chunks of query rows that bound the buffer to
-``DETERMINISTIC_BUFFER_ELEMENTS``; :mod:`.segment_sum` then adds the buffer rows into dKV key by key in a fixed
-order. dq (one owner per element), Delta (one program per row) and d_sink (a PyTorch reduction) have no atomics in
-either mode, and the mode does not change them. The forward has none.
+Deterministic backward (``deterministic=True``): the launches that produce dKV (the Gluon kernel's, or the Triton
+kernel's) store each (row, slot) contribution to a fp32 buffer instead (no atomics), over chunks of query rows that
+bound the buffer to ``DETERMINISTIC_BUFFER_ELEMENTS``; :mod:`.segment_sum` then adds the buffer rows into dKV key
+by key in a fixed order. dq (one owner per element), Delta (one program per row) and d_sink (a PyTorch reduction)
+have no atomics in either mode, and the mode does not change them. The forward has none.
 """
 from __future__ import annotations
 
@@ -428,12 +428,11 @@ def _delta_from_out(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-def backward_kernel(q: torch.Tensor, deterministic: bool = False) -> str:
+def backward_kernel(q: torch.Tensor) -> str:
     """Which backward runs for ``q``: "gluon" (the one-pass SM90 kernel, Delta from the saved output) where
-    :func:`.gluon_hopper_bwd.check` allows, the mode is not deterministic, :mod:`dsv4attn.variants` does not keep
-    Gluon out and the kernel has not failed to build for this D and dtype; "triton" (the Triton passes) elsewhere."""
-    return variants.choose("sparse_attention", "backward", (q.shape[2], q.dtype), q,
-                           request="triton" if deterministic else None)
+    :func:`.gluon_hopper_bwd.check` allows, :mod:`dsv4attn.variants` does not keep Gluon out and the kernel has not
+    failed to build for this D and dtype; "triton" (the Triton passes) elsewhere. Both have a deterministic mode."""
+    return variants.choose("sparse_attention", "backward", (q.shape[2], q.dtype), q)
 
 
 def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, deterministic=False, rope=None):
@@ -452,8 +451,8 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     delta = _delta_from_out(out, grad_out)
     if T > 0:
-        ran_gluon = (config is None and backward_kernel(q, deterministic) == "gluon"
-                     and _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope))
+        ran_gluon = (config is None and backward_kernel(q) == "gluon"
+                     and _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope, deterministic))
         if not ran_gluon:
             config = dict(config or BWD_CONFIGS[D])
             layout = config.pop("LAYOUT", None)
@@ -466,12 +465,16 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
     return dq, dkv, d_sink
 
 
-def _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope=None) -> bool:
+def _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope=None, deterministic=False) -> bool:
     """The one-pass Gluon backward into ``dq`` and ``dkv``; False if this Triton cannot build the kernel (warned
-    once per D and dtype; the caller then runs the Triton kernel)."""
+    once per D and dtype; the caller then runs the Triton kernel). ``deterministic``: dKV through the per-slot
+    buffer, in chunks of rows sized as the Triton kernel's."""
     kv_read = kv if kv.shape[0] > 0 else kv.new_zeros(1, q.shape[2])   # empty slots are never read
+    T, H, D = q.shape
+    rows = _deterministic_rows(T, H // gluon_hopper_bwd.BLOCK_H, idx.shape[1], D) if deterministic else None
     try:
-        gluon_hopper_bwd.launch(q, grad_out, kv_read, idx, denom2, delta, dq, dkv, scale, rope=rope)
+        gluon_hopper_bwd.launch(q, grad_out, kv_read, idx, denom2, delta, dq, dkv, scale, rope=rope,
+                                deterministic_rows=rows)
     except Exception as exc:
         if variants.strict():
             raise
