@@ -9,7 +9,8 @@ masked slots, backward = 2.5x forward. Run (CUDA, Triton):
         [--flashmla .peers/flashmla] [--log out.txt]
 
 ``--output-rope`` adds rows for our kernels as the layer runs them (the output's inverse RoPE fused), each paired with
-the plain kernel. ``--cudnn .peers`` times cuDNN Frontend's SM90 DSA backward (its wheels under ``.peers/cudnn_b``;
+the plain kernel; ``--deterministic`` a row for the backward with ``deterministic=True``, paired with the
+default one. ``--cudnn .peers`` times cuDNN Frontend's SM90 DSA backward (its wheels under ``.peers/cudnn_b``;
 docs/performance.md) beside ours the same way, fed FlashMLA's out and lse when ``--flashmla`` is given.
 ``--flashmla`` times FlashMLA's sparse prefill forward (its build under ``.peers/flashmla``; docs/performance.md) on
 the same inputs in the same run, alternating with our forward over 7 rounds (medians; the per-round ratios are printed);
@@ -91,7 +92,7 @@ def io_bytes(T: int, H: int, K: int) -> int:
 
 
 def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: str = "", heads: int = 64,
-          flashmla=None, cudnn=None, output_rope: bool = False) -> None:
+          flashmla=None, cudnn=None, output_rope: bool = False, deterministic: bool = False) -> None:
     from dsv4attn.ops.sparse_attention import triton as sat
     from dsv4attn.ops.sparse_attention.reference import sparse_attention_reference
     from dsv4attn.ops.index_sets import Explicit
@@ -181,6 +182,15 @@ def bench(T: int, log, with_reference: bool, fwd_cfg=None, bwd_cfg=None, tag: st
             plain_ms, rope_ms, ratios = paired_ms(plain, rotated)
             row("ours + output_rope", op, rope_ms, flop, peak_mib(rotated), peer)
             log(f"  (output_rope {op}: {rope_ms / plain_ms:.3f}x the plain kernel, {len(ratios)} alternating rounds)")
+    if deterministic:
+        # deterministic=True (per-slot dKV rows summed in a fixed order) against the default backward, alternated.
+        def det_bwd():
+            sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, bwd_cfg, deterministic=True)
+
+        plain_ms, det_ms, ratios = paired_ms(bwd, det_bwd)
+        kernel = "triton" if bwd_cfg is not None else sat.backward_kernel(q)
+        row(f"ours deterministic ({kernel})", "bwd", det_ms, 2.5 * fwd_flop, peak_mib(det_bwd), cudnn_ms)
+        log(f"  (deterministic=True: {det_ms / plain_ms:.3f}x the default backward, {len(ratios)} alternating rounds)")
     if with_reference:
         iset = Explicit(idx)
 
@@ -304,6 +314,8 @@ def main() -> None:
     parser.add_argument("--bwd-variants", default=None, help="comma-separated SWEEP_BWD indices (default: all)")
     parser.add_argument("--output-rope", action="store_true", help="also time the kernels with the output's inverse "
                         "RoPE fused (what the layer runs), against the plain kernels")
+    parser.add_argument("--deterministic", action="store_true", help="also time the backward with "
+                        "deterministic=True, against the default one")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
     log = start_log("sparse_attention.py", args.log)
@@ -325,7 +337,7 @@ def main() -> None:
     for heads in args.H:
         for T in args.T:
             bench(T, log, with_reference=(T == args.reference_T and heads == 64), heads=heads, flashmla=flashmla,
-                  cudnn=cudnn, output_rope=args.output_rope)
+                  cudnn=cudnn, output_rope=args.output_rope, deterministic=args.deterministic)
             torch.cuda.empty_cache()
     if args.sweep:
         for heads in args.H:
