@@ -9,9 +9,10 @@ Every op registers, per pass, its implementations in preference order (:func:`re
   ``KERNEL="gluon"`` also raises where the kernel does not apply).
 
 The mode comes from ``DSV4ATTN_KERNELS`` (``DSV4ATTN_FORWARD_KERNEL`` is its deprecated alias) or
-:func:`set_kernels`; a caller may request one implementation for one call (a config's ``KERNEL`` key, or the
-deterministic backward, which needs the Triton passes). A Gluon kernel that this Triton cannot build is recorded in
-:data:`FAILED` (warned once): "auto" then takes the next implementation for that (op, pass, key).
+:func:`set_kernels`; a caller may request one implementation for one call (a config's ``KERNEL`` key). The
+deterministic backward is a form of the same kernels (Gluon on SM90, else the Triton passes), not an entry of its
+own. A Gluon kernel that this Triton cannot build is recorded in :data:`FAILED` (warned once): "auto" then takes
+the next implementation for that (op, pass, key).
 """
 from __future__ import annotations
 

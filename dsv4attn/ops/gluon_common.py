@@ -157,6 +157,8 @@ if IMPORTED:
         # ``mbarrier.arrive`` lowers to a bar.sync of the warpgroup and one thread's arrive; a buffer read only by
         # wgmma products that each thread has already waited for needs no such barrier (measured: the warm-up
         # teacher 1.02-1.06x, BENCHMARKS.md). Callers issue no cp.async of their own, so the arrival is immediate.
+        # Use it only to hand back a buffer that was read, never to publish writes: this arrive form has no
+        # documented release ordering for the thread's earlier stores.
         async_copy.mbarrier_arrive(bar, increment_count=False)
 
     @gluon.jit

@@ -89,6 +89,14 @@ def v4_case():
 # ---------------------------------------------------------------------------------------------------------------
 # Accuracy at V4 shapes
 
+def _assert_backward_ran(kernel: str, q: torch.Tensor) -> None:
+    """A "gluon" case is void if the Gluon backward failed to build and the Triton one ran in its place."""
+    from dsv4attn.ops.sparse_attention import triton as sat
+
+    if kernel == "gluon":
+        assert sat.backward_kernel(q) == "gluon", variants.FAILED
+
+
 def _forward_kernels() -> list[str]:
     """The forwards this machine runs: Triton always, Gluon where it applies (an SM90 GPU and Triton's Gluon)."""
     from dsv4attn.ops.sparse_attention import gluon_hopper
@@ -143,6 +151,7 @@ def test_deterministic_backward_is_bitwise_repeatable_v4(with_length, kernel, mo
     q, kv, idx, sink, grad_out, length = make_inputs(**V4, seed=1)
     kwargs = dict(deterministic=True, topk_length=length if with_length else None)
     runs = [run(op(idx, **kwargs), q, kv, sink, grad_out) for _ in range(3)]
+    _assert_backward_ran(kernel, q)
     assert_bitwise(runs[0], runs[1], "deterministic run 2 vs 1")
     assert_bitwise(runs[0], runs[2], "deterministic run 3 vs 1")
     # The mode changes only where dKV contributions are summed: the forward is the same; dq and d_sink have no
@@ -153,19 +162,22 @@ def test_deterministic_backward_is_bitwise_repeatable_v4(with_length, kernel, mo
     torch.testing.assert_close(runs[0][3].float(), atomic[3].float(), rtol=2 ** -7, atol=1e-2)
 
 
+@pytest.mark.parametrize("H", [64, 128])
 @pytest.mark.parametrize("kernel", _forward_kernels())
-def test_deterministic_dkv_fp32_equals_atomic_up_to_summation_order(kernel, monkeypatch):
-    """The fp32 dKV of each kernel's deterministic mode (several row chunks: a small buffer budget) against its
-    atomic mode: equal up to summation order; dq bitwise."""
+def test_deterministic_dkv_fp32_equals_atomic_up_to_summation_order(kernel, H, monkeypatch):
+    """The fp32 dKV of each kernel's deterministic mode (several row chunks: a small buffer budget; H = 128 puts
+    two head blocks in each buffer row) against its atomic mode: equal up to summation order; dq bitwise."""
     from dsv4attn.ops.sparse_attention import triton as sat
 
     monkeypatch.setattr(variants, "_mode", "triton" if kernel == "triton" else "auto")
-    monkeypatch.setattr(sat, "DETERMINISTIC_BUFFER_ELEMENTS", 1000 * V4["K"] * V4["D"])     # 5 chunks of rows
-    q, kv, idx, sink, grad_out, _ = make_inputs(**V4, seed=2)
+    # 5 chunks of rows at H = 64, 9 at H = 128 (the budget counts every head block's rows)
+    monkeypatch.setattr(sat, "DETERMINISTIC_BUFFER_ELEMENTS", 1000 * V4["K"] * V4["D"])
+    q, kv, idx, sink, grad_out, _ = make_inputs(**{**V4, "H": H}, seed=2)
     scale = V4["D"] ** -0.5
     out, lse = sat._sparse_attn_fwd(q, kv, idx, sink, scale)
     atomic = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale)
     fixed = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, deterministic=True)
+    _assert_backward_ran(kernel, q)
     assert torch.equal(fixed[0], atomic[0])
     torch.testing.assert_close(fixed[2], atomic[2], rtol=1e-6, atol=1e-6)
     assert (fixed[1] - atomic[1]).abs().max().item() <= 1e-5 * atomic[1].abs().max().item()

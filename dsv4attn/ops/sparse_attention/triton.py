@@ -478,6 +478,8 @@ def _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope=None, d
     except Exception as exc:
         if variants.strict():
             raise
+        # Keyed by (D, dtype) only: the deterministic form is the same source with plain stores in place of the
+        # reductions, so a build failure of either form is taken as this Triton not building the kernel.
         variants.note_gluon_build_failure(exc, "sparse_attention", "backward", (q.shape[2], q.dtype),
                                           "using the Triton backward")
         dkv.zero_()
