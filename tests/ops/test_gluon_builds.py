@@ -43,7 +43,7 @@ def gluon_kernels():
     layout = gluon_common.gl.NVMMASharedLayout.get_default_for([scores.BLOCK_T, scores.HEAD_DIM],
                                                                gluon_common.gl.bfloat16)
     q_desc = mangle_type(gluon_common.TensorDescriptor.from_tensor(q, [scores.BLOCK_T, scores.HEAD_DIM], layout))
-    # The teacher kernels' range form: descriptors of q (as (T * H, D) rows) and of the kv, in 64-row blocks at D = 512.
+    # The teacher kernels' range form: the descriptor of the kv in 64-row blocks at D = 512.
     rows = torch.empty(64, 512, dtype=torch.bfloat16)
     row_desc = mangle_type(gluon_common.TensorDescriptor.from_tensor(
         rows, [64, 512], gluon_common.gl.NVMMASharedLayout.get_default_for([64, 512], gluon_common.gl.bfloat16)))
@@ -67,13 +67,15 @@ def gluon_kernels():
          dict(Q=bf, CKV=bf, IDX=i32, NEND=i32, LSE=f32, H="i32", K="i32", qk_scale_log2="fp32"),
          dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
         ("teacher_mass_ranges", attn._teacher_mass_ranges_gluon,
-         dict(Q_DESC=row_desc, KV_DESC=row_desc, FIRST=i32, IDX=i32, NEND=i32, FULL_LSE=f32, MASS=f32, H="i32",
+         dict(Q=bf, KV_DESC=row_desc, FIRST=i32, IDX=i32, NEND=i32, FULL_LSE=f32, MASS=f32, T="i32", H="i32",
               K="i32", qk_scale="fp32"),
-         dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
+         dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=attn._pair_stages(fwd["BLOCK_N"], 512), num_warps=4,
+              REGS=attn.PAIR_REGS)),
         ("teacher_lse_ranges", attn._teacher_lse_ranges_gluon,
-         dict(Q_DESC=row_desc, KV_DESC=row_desc, FIRST=i32, IDX=i32, NEND=i32, LSE=f32, H="i32", K="i32",
+         dict(Q=bf, KV_DESC=row_desc, FIRST=i32, IDX=i32, NEND=i32, LSE=f32, T="i32", H="i32", K="i32",
               qk_scale_log2="fp32"),
-         dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=fwd["STAGES"], num_warps=4, REGS=tuple(fwd["REGS"]))),
+         dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=attn._pair_stages(fwd["BLOCK_N"], 512), num_warps=4,
+              REGS=attn.PAIR_REGS)),
         # The backward's deterministic form (dKV stored per slot), then its default (last: kernel_variants.py).
         *[(name, attn_bwd._sparse_attn_bwd_gluon,
            dict(Q=bf, DO=bf, KV=bf, IDX=i32, NEND=i32, DENOM2=f32, DELTA=f32, DQ=bf, DKV=f32, COS=f32, SIN=f32,

@@ -239,18 +239,31 @@ def test_teacher_lse_matches_float64(H, D, K, dtype, config):
     (64, 700, 512, 300, torch.bfloat16, None), (128, 700, 512, 300, torch.bfloat16, None),
     (64, 50, 512, 300, torch.bfloat16, None), (64, 700, 256, 100, torch.float16, dict(BLOCK_N=16, STAGES=4)),
     (64, 700, 128, 10, torch.bfloat16, dict(BLOCK_N=32, STAGES=4))])
-def test_teacher_range_form_equals_gathering(H, N, D, K, dtype, config):
+@pytest.mark.parametrize("starts", ["random", "documents"])
+def test_teacher_range_form_equals_gathering(H, N, D, K, dtype, config, starts):
     """The teacher kernels' range form (row t's candidates the kv rows first[t] + j, loaded by TMA: the warm-up's
-    every visible entry on one device) gives the gathering kernels' values bit for bit: ragged counts, rows without
-    a candidate (their first at or far past the kv's end, as padding rows have it), blocks that run past the kv
-    tensor's end (TMA reads zeros), two head blocks, a kv shorter than one block, fp16, other ring depths and blocks,
-    K below one block."""
+    every visible entry on one device; two rows a program) gives the gathering kernels' values bit for bit: ragged
+    counts, rows without a candidate (their first at or far past the kv's end, as padding rows have it), blocks that
+    run past the kv tensor's end (TMA reads zeros), two head blocks, a kv shorter than one block, fp16, other ring
+    depths and blocks, K below one block, an odd number of rows. "random": every pair's rows start apart (each row
+    its own blocks of the program's stream); "documents": runs of rows with one start and counts growing along
+    the run (the warm-up's layout: pairs share their blocks), runs starting at odd and even rows."""
     gen = torch.Generator().manual_seed(H + N + D)
     T = 97
     q = torch.randn(T, H, D, generator=gen).to("cuda", dtype)
     ckv = torch.randn(N, D, generator=gen).to("cuda", dtype)
-    first = torch.randint(0, N, (T,), generator=gen)
-    count = torch.minimum(torch.randint(0, K + 1, (T,), generator=gen), N - first)
+    if starts == "random":
+        first = torch.randint(0, N, (T,), generator=gen)
+        count = torch.minimum(torch.randint(0, K + 1, (T,), generator=gen), N - first)
+    else:
+        bounds = [0, 5, 6, 30, 31, 32, 61, T]                 # runs of 5, 1, 24, 1, 1, 29, 36 rows
+        first = torch.zeros(T, dtype=torch.int64)
+        count = torch.zeros(T, dtype=torch.int64)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            first[a:b] = int(torch.randint(0, N, (1,), generator=gen))
+            count[a:b] = torch.arange(b - a) * max(1, K // max(1, b - a)) // 1 + torch.randint(0, 2, (b - a,),
+                                                                                                generator=gen)
+        count = torch.minimum(torch.minimum(count, torch.tensor(K)), N - first)
     count[:3] = 0
     first[0], first[1] = N, N + 5000
     j = torch.arange(K)
@@ -394,14 +407,16 @@ def test_gluon_backward_matches_float64_reference(T, H, K, N, dtype, sink_kind):
     (40, 64, 256, 130, 500, 80),            # 160 rotated channels: both consumers' halves
     (33, 64, 128, 64, 64, 64),              # every channel rotates
 ])
-@pytest.mark.parametrize("kernel", ["gluon", "triton"])
-def test_output_rope_matches_float64_reference(T, H, D, K, N, pairs, kernel):
+@pytest.mark.parametrize("kernel,deterministic", [("gluon", False), ("gluon", True), ("triton", True)],
+                         ids=["gluon", "gluon-deterministic", "triton-deterministic"])
+def test_output_rope_matches_float64_reference(T, H, D, K, N, pairs, kernel, deterministic, monkeypatch):
     """``output_rope``: the forward's epilogue rotates the output back, the backward kernels rotate the gradient
-    forward as they load it (the one-pass Gluon backward at D = 512, the Triton one elsewhere; "triton" runs the
-    Triton forward and the deterministic Triton backward). Bounds as above; the bf16 reference rounds its output,
-    then rotates, and its backward takes the rotated-forward gradient rounded and Delta from the kernel's saved
-    rotated output."""
+    forward as they load it (the one-pass Gluon backward at D = 512, in both modes, the Triton one elsewhere;
+    "triton" runs the Triton forward and the deterministic Triton passes). Bounds as above; the bf16 reference
+    rounds its output, then rotates, and its backward takes the rotated-forward gradient rounded and Delta from the
+    kernel's saved rotated output."""
     from dsv4attn.rope import apply_rope
+    monkeypatch.setattr(variants, "_mode", "triton" if kernel == "triton" else "auto")
     gen = torch.Generator().manual_seed(T * 3 + K)
     q, kv, idx, sink = inputs(T, H, D, K, N, torch.bfloat16, gen)
     grad_out = torch.randn(T, H, D, generator=gen).to("cuda", torch.bfloat16)
@@ -410,8 +425,9 @@ def test_output_rope_matches_float64_reference(T, H, D, K, N, pairs, kernel):
     scale = D ** -0.5
     tables = sat.rope_tables(positions, inv_freq)
     out, lse = sat._sparse_attn_fwd(q, kv, idx, sink, scale, dict(KERNEL=kernel), rope=tables)
-    grads = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, deterministic=kernel == "triton",
+    grads = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, deterministic=deterministic,
                                  rope=tables)
+    assert sat.backward_kernel(q) == ("gluon" if kernel == "gluon" and D == 512 else "triton"), variants.FAILED
     got = (out, lse, grads[0], grads[1].to(q.dtype), grads[2])
     low_out, low_lse = reference_forward(q, kv, Explicit(idx), sink, scale)
     low = (apply_rope(low_out, positions, inv_freq, inverse=True), low_lse,

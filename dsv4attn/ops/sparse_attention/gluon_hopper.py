@@ -34,8 +34,12 @@ Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_
 :func:`teacher_mass` reuses the producer and ring for the indexer KL's teacher mass (two independent consumers), and
 :func:`teacher_lse` for each head's LSE over the candidates (the warm-up teacher's full denominators: two consumer
 parts combined by logaddexp). Given ``first`` (each row's candidates consecutive kv rows: the warm-up's every
-visible entry on one device) both take their range form, whose producer loads q and each block by TMA instead
-(where this Triton cannot build it: one warning, then the gathering kernels, :func:`_launch_teacher`).
+visible entry on one device) both take their range form: one program per pair of rows (2p, 2p + 1) and head
+block, whose rows share their kv blocks when their ranges start at one row (within a document); a TMA producer
+streams the blocks once for both, and each consumer takes one row, with its q as the products' register operand.
+The one-row kernels it replaced were bound by the L2 -> SM traffic of reading every block once per row, and their
+products re-read q from shared memory (BENCHMARKS.md). Where this Triton cannot build it: one warning, then the
+gathering kernels (:func:`_launch_teacher`).
 
 No cross-warpgroup reductions: each block's softmax lives in one warpgroup (rows reduce inside a quad of threads).
 Gluon kernels run only on the GPU (no interpreter): the tests compare this kernel with the float64 reference on the
@@ -271,29 +275,6 @@ if IMPORTED:
                      STAGES)
 
     @gluon.jit
-    def _range_producer(Q_DESC, KV_DESC, FIRST, NEND, H, q_smem, ring, full, empty, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr):
-        # Producer of the teacher kernels' range form: row t's candidates are the kv rows FIRST[t], FIRST[t] + 1, ...
-        # (the warm-up's every visible entry on one device), so q and each block of BLOCK_N rows come by one TMA
-        # load (Triton splits it into 64-column boxes, each issued by one lane), instead of BLOCK_N x D / 8 cp.async
-        # of 16 bytes over the producer's 128 threads (1.21x the two teacher kernels at 32K, BENCHMARKS.md). A row
-        # without candidates still loads (and its consumer masks) one block. full[] completes on the copies' bytes,
-        # not on every earlier copy of the thread as a cp.async arrival does, so block 1's consumer would not wait
-        # for q: block 1 is issued once q and block 0 have landed. kv rows past the tensor read as zeros; the
-        # consumers mask the slots past the row's count.
-        t, hb = program_row(H)
-        first = gl.load(FIRST + t)
-        mbarrier.expect(full.index(0), Q_DESC.block_type.nbytes + KV_DESC.block_type.nbytes)
-        tma_load(Q_DESC, [(t * H + hb * BLOCK_H_C).to(gl.int32), 0], full.index(0), q_smem)
-        tma_load(KV_DESC, [first, 0], full.index(0), ring.index(0))
-        mbarrier.wait(full.index(0), 0)
-        for b in range(1, row_blocks(NEND, t, BLOCK_N)):
-            stage = b % STAGES
-            mbarrier.wait(empty.index(stage), ((b // STAGES) + 1) & 1, pred=b >= STAGES)
-            mbarrier.expect(full.index(stage), KV_DESC.block_type.nbytes)
-            tma_load(KV_DESC, [first + b * BLOCK_N, 0], full.index(stage), ring.index(stage))
-
-    @gluon.jit
     def _teacher_scores(IDX, row_base, K, b, q_smem, ring, full, empty, s_zero, s_layout: gl.constexpr,
                         STAGES: gl.constexpr):
         # Block b of a teacher consumer: its slot numbers n, candidate rows idx (-1 past K) and s = Q C^T from the
@@ -355,17 +336,15 @@ if IMPORTED:
         gl.store(LSE + (W * (gl.num_programs(0) // (H // BLOCK_H_C)) + t) * H + heads, lse)
 
     @gluon.jit
-    def _teacher_buffers(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                         ARRIVALS: gl.constexpr):
-        # The teacher kernels' shared memory: q of the head block, the ring of STAGES blocks, and its barriers (full:
-        # ARRIVALS = the gathering producer's 128 threads, or 1 expect-bytes arrival per TMA block; empty: each stage
-        # is used by one consumer warpgroup, whose 128 threads each arrive). The layouts are those of the range
-        # form's TMA descriptors (_range_descs).
+    def _teacher_buffers(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # The gathering teacher kernels' shared memory: q of the head block, the ring of STAGES blocks, and its
+        # barriers (full: the producer's 128 threads; empty: each stage is used by one consumer warpgroup, whose 128
+        # threads each arrive).
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H_C, D],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype))
         ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
-        return q_smem, ring, mbarriers(STAGES, ARRIVALS), mbarriers(STAGES, 128)
+        return q_smem, ring, mbarriers(STAGES, 128), mbarriers(STAGES, 128)
 
     @gluon.jit
     def _teacher_mass_gluon(Q, CKV, IDX, NEND, FULL_LSE, MASS, H, K, qk_scale,
@@ -376,7 +355,7 @@ if IMPORTED:
         # through a shared-memory slot, and Triton 3.9 placed that slot inside the first consumer's reduction
         # scratch (its head sum reduces across warps), so the other partitions could read a clobbered pointer
         # (wrong masses on the GPU; tests/ops/test_gluon_builds.py checks every kernel for such an overlap).
-        q_smem, ring, full, empty = _teacher_buffers(Q.dtype.element_ty, D, BLOCK_N, STAGES, 128)
+        q_smem, ring, full, empty = _teacher_buffers(Q.dtype.element_ty, D, BLOCK_N, STAGES)
         gl.warp_specialize([
             (_mass_consumer, (IDX, NEND, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
                               gl.constexpr(0), BLOCK_N, STAGES)),
@@ -391,7 +370,7 @@ if IMPORTED:
                            REGS: gl.constexpr):
         # LSE: (2, T, H) fp32, one part per consumer (added by the caller). Same producer, ring and partition
         # rules as _teacher_mass_gluon.
-        q_smem, ring, full, empty = _teacher_buffers(Q.dtype.element_ty, D, BLOCK_N, STAGES, 128)
+        q_smem, ring, full, empty = _teacher_buffers(Q.dtype.element_ty, D, BLOCK_N, STAGES)
         gl.warp_specialize([
             (_lse_consumer, (IDX, NEND, LSE, H, K, qk_scale_log2, q_smem, ring, full, empty, gl.constexpr(0),
                              BLOCK_N, STAGES)),
@@ -401,32 +380,165 @@ if IMPORTED:
             [4, 4], [REGS[0], REGS[1]])
 
     @gluon.jit
-    def _teacher_mass_ranges_gluon(Q_DESC, KV_DESC, FIRST, IDX, NEND, FULL_LSE, MASS, H, K, qk_scale,
+    def _pair_program(FIRST, NEND, T, H, BLOCK_N: gl.constexpr):
+        # The range form's program: (pair p, head block hb), pairs in descending order (the warm-up's ranges grow
+        # with the row: the longest pairs start first and the grid ends on short ones). Row 0 is 2p, row 1 2p + 1
+        # (absent past T: has1 false). shared: both ranges start at one kv row, so one stream of blocks serves both
+        # rows (max(nb0, nb1) blocks from first0); otherwise (a document starting at the odd row) the stream is row
+        # 0's nb0 blocks from first0, then row 1's nb1 blocks from first1. nb = cdiv(NEND, BLOCK_N): none for a row
+        # without a valid slot.
+        nhb = H // BLOCK_H_C
+        pid = gl.program_id(0)
+        r0 = (2 * (gl.num_programs(0) // nhb - 1 - pid // nhb)).to(gl.int64)
+        hb = pid % nhb
+        has1 = r0 + 1 < T
+        first0 = gl.load(FIRST + r0)
+        first1 = gl.load(FIRST + r0 + 1, mask=has1, other=0)
+        nb0 = gl.cdiv(gl.load(NEND + r0), BLOCK_N)
+        nb1 = gl.cdiv(gl.load(NEND + r0 + 1, mask=has1, other=0), BLOCK_N)
+        shared = has1 & (first0 == first1)
+        stream = gl.where(shared, gl.maximum(nb0, nb1), nb0 + nb1)
+        return r0, hb, has1, first0, first1, nb0, shared, stream
+
+    @gluon.jit
+    def _pair_producer(KV_DESC, FIRST, NEND, T, H, ring, full, empty, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr):
+        # The stream's blocks by TMA copies into the ring; a stage is refilled once both consumers released it.
+        # kv rows past the tensor read as zeros (the consumers mask the slots past each row's count).
+        r0, hb, has1, first0, first1, nb0, shared, stream = _pair_program(FIRST, NEND, T, H, BLOCK_N)
+        for b in range(stream):
+            stage = b % STAGES
+            mbarrier.wait(empty.index(stage), ((b // STAGES) + 1) & 1, pred=b >= STAGES)
+            mbarrier.expect(full.index(stage), KV_DESC.block_type.nbytes)
+            second = (b >= nb0) & (first0 != first1)       # row 1's own blocks (never when has1 is false)
+            start = gl.where(second, first1 + (b - nb0) * BLOCK_N, first0 + b * BLOCK_N)
+            tma_load(KV_DESC, [start, 0], full.index(stage), ring.index(stage))
+
+    @gluon.jit
+    def _pair_row(Q, FIRST, NEND, T, H, W: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                  q_layout: gl.constexpr):
+        # Consumer W's row (r0 + W), whether it exists, its first stream block, the stream's length and the row's
+        # 64 heads of q, loaded straight into registers as the products' A operand: the ring takes the shared
+        # memory, and each product then reads only its kv tile from it.
+        r0, hb, has1, first0, first1, nb0, shared, stream = _pair_program(FIRST, NEND, T, H, BLOCK_N)
+        row = r0 + W
+        if W == 0:
+            ok = r0 >= 0
+            lo = nb0 * 0
+        else:
+            ok = has1
+            lo = gl.where(shared, 0, nb0)
+        heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, q_layout))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
+        q = gl.load(Q + (row * H + heads)[:, None] * D + cols[None, :], mask=(heads >= 0)[:, None] & ok, other=0.0)
+        return row, hb, ok, lo, stream, q
+
+    @gluon.jit
+    def _pair_scores(q, IDX, row, ok, K, j, b, ring, full, empty, s_zero, s_layout: gl.constexpr,
+                     STAGES: gl.constexpr):
+        # Stream block b as the row's block j (a block of the other row's range, or past this row's blocks, has no
+        # valid slot here: j outside [0, K / BLOCK_N) or IDX -1): slot numbers n, candidate rows idx and s = Q C^T,
+        # the stage released right after the product.
+        n = j * s_zero.shape[1] + gl.arange(0, s_zero.shape[1], layout=gl.SliceLayout(0, s_layout))
+        idx = gl.load(IDX + row * K + n, mask=(n >= 0) & (n < K) & ok, other=-1)
+        mbarrier.wait(full.index(b % STAGES), (b // STAGES) & 1)
+        s = warpgroup_mma(q, ring.index(b % STAGES).permute((1, 0)), s_zero, use_acc=False)
+        release(empty.index(b % STAGES))
+        return n, idx, s
+
+    @gluon.jit
+    def _lse_pair_consumer(Q, FIRST, IDX, NEND, LSE, T, H, K, qk_scale_log2, ring, full, empty, W: gl.constexpr,
+                           D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # Teacher LSE of row r0 + W over every block of the stream that holds its slots: the online log2-sum-exp2
+        # of each head in two parts, the row's even and odd blocks (the parts the gathering kernel's two consumers
+        # form, so the two forms agree bit for bit), stored to LSE[part, row, h] for the caller's logaddexp. A
+        # block without a valid slot of the row leaves both parts unchanged (exp2(-inf - m) = 0, max unchanged).
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row, hb, ok, lo, stream, q = _pair_row(Q, FIRST, NEND, T, H, W, D, BLOCK_N, q_layout)
+        heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=row_layout)
+        m_even = gl.full([BLOCK_H_C], -1.0e30, gl.float32, layout=row_layout)    # finite: exp2(-inf - m) = 0
+        l_even = gl.zeros([BLOCK_H_C], gl.float32, layout=row_layout)
+        m_odd = m_even
+        l_odd = l_even
+        s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
+        for b in range(stream):
+            j = b - lo
+            n, idx, s = _pair_scores(q, IDX, row, ok, K, j, b, ring, full, empty, s_zero, s_layout, STAGES)
+            s = gl.where((idx >= 0)[None, :], s * qk_scale_log2, float("-inf"))
+            even = (j % 2) == 0
+            m_i = gl.where(even, m_even, m_odd)
+            l_i = gl.where(even, l_even, l_odd)
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            l_i = l_i * gl.exp2(m_i - m_new) + gl.sum(gl.exp2(s - m_new[:, None]), 1)
+            m_even = gl.where(even, m_new, m_even)
+            l_even = gl.where(even, l_i, l_even)
+            m_odd = gl.where(even, m_odd, m_new)
+            l_odd = gl.where(even, l_odd, l_i)
+        lse_even = gl.where(l_even > 0.0, (m_even + gl.log2(l_even)) / LOG2E_C, float("-inf"))
+        lse_odd = gl.where(l_odd > 0.0, (m_odd + gl.log2(l_odd)) / LOG2E_C, float("-inf"))
+        gl.store(LSE + (row * H + heads), lse_even, mask=(heads >= 0) & ok)
+        gl.store(LSE + ((T + row) * H + heads), lse_odd, mask=(heads >= 0) & ok)
+
+    @gluon.jit
+    def _mass_pair_consumer(Q, FIRST, IDX, NEND, FULL_LSE, MASS, T, H, K, qk_scale, ring, full, empty,
+                            W: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # Teacher mass of row r0 + W: for each block of the stream that holds its slots, as _mass_consumer forms it,
+        # stored to MASS[hb, row, j] (the same values as the gathering kernel).
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        row, hb, ok, lo, stream, q = _pair_row(Q, FIRST, NEND, T, H, W, D, BLOCK_N, q_layout)
+        plane = MASS + hb.to(gl.int64) * T * K
+        heads = hb * BLOCK_H_C + gl.arange(0, BLOCK_H_C, layout=gl.SliceLayout(1, s_layout))
+        full_lse = gl.load(FULL_LSE + row * H + heads, mask=(heads >= 0) & ok, other=0.0)
+        full_lse = gl.where(full_lse == float("-inf"), 0.0, full_lse)    # a head without valid slots: p all 0
+        s_zero = gl.zeros([BLOCK_H_C, BLOCK_N], gl.float32, layout=s_layout)
+        for b in range(stream):
+            j = b - lo
+            n, idx, s = _pair_scores(q, IDX, row, ok, K, j, b, ring, full, empty, s_zero, s_layout, STAGES)
+            p = gl.exp2((s * qk_scale - full_lse[:, None]) * LOG2E_C)
+            mass = gl.sum(gl.where((idx >= 0)[None, :], p, 0.0), 0)
+            gl.store(plane + row * K + n, mass, mask=(n >= 0) & (n < K) & ok)
+
+    @gluon.jit
+    def _pair_ring(dtype: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # The range form's shared memory: the ring (the kv descriptor's layout) and its barriers (full: one
+        # expect-bytes arrival per TMA block; empty: both consumers' 128 threads each).
+        ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
+        return ring, mbarriers(STAGES, 1), mbarriers(STAGES, 256)
+
+    @gluon.jit
+    def _teacher_mass_ranges_gluon(Q, KV_DESC, FIRST, IDX, NEND, FULL_LSE, MASS, T, H, K, qk_scale,
                                    D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                    num_warps: gl.constexpr, REGS: gl.constexpr):
-        # _teacher_mass_gluon on the range form's producer (TMA copies of consecutive kv rows); the same consumers,
-        # which read IDX only for the slots' validity.
-        q_smem, ring, full, empty = _teacher_buffers(Q_DESC.dtype, D, BLOCK_N, STAGES, 1)
+        # _teacher_mass_gluon's values for candidates that are ranges, two rows a program (_pair_program): each kv
+        # block is read once for both rows, which halves the L2 traffic that bounds the one-row kernel.
+        ring, full, empty = _pair_ring(KV_DESC.dtype, D, BLOCK_N, STAGES)
         gl.warp_specialize([
-            (_mass_consumer, (IDX, NEND, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
-                              gl.constexpr(0), BLOCK_N, STAGES)),
-            (_mass_consumer, (IDX, NEND, FULL_LSE, MASS, H, K, qk_scale, q_smem, ring, full, empty,
-                              gl.constexpr(1), BLOCK_N, STAGES)),
-            (_range_producer, (Q_DESC, KV_DESC, FIRST, NEND, H, q_smem, ring, full, empty, BLOCK_N, STAGES))],
+            (_mass_pair_consumer, (Q, FIRST, IDX, NEND, FULL_LSE, MASS, T, H, K, qk_scale, ring, full, empty,
+                                   gl.constexpr(0), D, BLOCK_N, STAGES)),
+            (_mass_pair_consumer, (Q, FIRST, IDX, NEND, FULL_LSE, MASS, T, H, K, qk_scale, ring, full, empty,
+                                   gl.constexpr(1), D, BLOCK_N, STAGES)),
+            (_pair_producer, (KV_DESC, FIRST, NEND, T, H, ring, full, empty, BLOCK_N, STAGES))],
             [4, 4], [REGS[0], REGS[1]])
 
     @gluon.jit
-    def _teacher_lse_ranges_gluon(Q_DESC, KV_DESC, FIRST, IDX, NEND, LSE, H, K, qk_scale_log2,
+    def _teacher_lse_ranges_gluon(Q, KV_DESC, FIRST, IDX, NEND, LSE, T, H, K, qk_scale_log2,
                                   D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                   num_warps: gl.constexpr, REGS: gl.constexpr):
-        # _teacher_lse_gluon on the range form's producer.
-        q_smem, ring, full, empty = _teacher_buffers(Q_DESC.dtype, D, BLOCK_N, STAGES, 1)
+        # _teacher_lse_gluon's values (LSE: (2, T, H), the even and odd blocks' parts) for ranges, two rows a
+        # program as _teacher_mass_ranges_gluon.
+        ring, full, empty = _pair_ring(KV_DESC.dtype, D, BLOCK_N, STAGES)
         gl.warp_specialize([
-            (_lse_consumer, (IDX, NEND, LSE, H, K, qk_scale_log2, q_smem, ring, full, empty, gl.constexpr(0),
-                             BLOCK_N, STAGES)),
-            (_lse_consumer, (IDX, NEND, LSE, H, K, qk_scale_log2, q_smem, ring, full, empty, gl.constexpr(1),
-                             BLOCK_N, STAGES)),
-            (_range_producer, (Q_DESC, KV_DESC, FIRST, NEND, H, q_smem, ring, full, empty, BLOCK_N, STAGES))],
+            (_lse_pair_consumer, (Q, FIRST, IDX, NEND, LSE, T, H, K, qk_scale_log2, ring, full, empty,
+                                  gl.constexpr(0), D, BLOCK_N, STAGES)),
+            (_lse_pair_consumer, (Q, FIRST, IDX, NEND, LSE, T, H, K, qk_scale_log2, ring, full, empty,
+                                  gl.constexpr(1), D, BLOCK_N, STAGES)),
+            (_pair_producer, (KV_DESC, FIRST, NEND, T, H, ring, full, empty, BLOCK_N, STAGES))],
             [4, 4], [REGS[0], REGS[1]])
 
 
@@ -469,15 +581,24 @@ def _teacher_config(config, what: str) -> dict:
     return cfg
 
 
-def _range_descs(q, compressed_kv, block_n: int):
-    """TMA descriptors of q viewed as (T * H, D) rows in 64-head blocks and of the kv in blocks of ``block_n`` rows,
-    with the layouts of the kernels' shared memory (_teacher_buffers)."""
-    T, H, D = q.shape
-    dt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[q.dtype]        # half_precision: one of the two
-    return (TensorDescriptor.from_tensor(q.reshape(T * H, D), [BLOCK_H, D],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_H, D], dt)),
-            TensorDescriptor.from_tensor(compressed_kv, [block_n, D],
-                                         gl.NVMMASharedLayout.get_default_for([block_n, D], dt)))
+# The range form's ring: as many stages of BLOCK_N kv rows as fit in this many bytes, 2 to 4 (three 64-row stages
+# at D = 512; q lives in the consumers' registers, not in shared memory).
+PAIR_RING_BYTES = 192 * 1024
+# Registers per thread of the range form's worker consumer and producer (setmaxnreg): each consumer holds its row's
+# 64 x D q as the products' register operand (128 registers at D = 512); the TMA producer needs few.
+PAIR_REGS = (232, 24)
+
+
+def _pair_stages(block_n: int, D: int) -> int:
+    return max(2, min(4, PAIR_RING_BYTES // (block_n * D * 2)))
+
+
+def _kv_desc(compressed_kv, block_n: int):
+    """TMA descriptor of the kv in blocks of ``block_n`` rows, with the layout of the range form's ring."""
+    D = compressed_kv.shape[1]
+    dt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[compressed_kv.dtype]   # half_precision: one of two
+    return TensorDescriptor.from_tensor(compressed_kv, [block_n, D],
+                                        gl.NVMMASharedLayout.get_default_for([block_n, D], dt))
 
 
 # (D, dtype) -> why this process's Triton could not build the teacher kernels' range form: the gathering kernels
@@ -485,29 +606,23 @@ def _range_descs(q, compressed_kv, block_n: int):
 RANGE_FORM_FAILED: dict = {}
 
 
-def _teacher_sources(q, compressed_kv, candidates, cfg: dict, first):
-    """(range form?, the kernel's leading arguments): with ``first`` the range form's TMA descriptors, else (and
-    for tensors whose base is not 16-byte aligned, which TMA needs, or shapes whose range form failed to build)
-    the gathering kernels' pointers."""
+def _launch_teacher(gathering, ranges, q, compressed_kv, candidates, cfg: dict, first, n_end, out, K: int,
+                    scale: float, full_lse=None):
+    """One teacher kernel (``out``: the mass planes, or the LSE parts) over q's rows. Given ``first``, its range
+    form (two rows a program, kv blocks by TMA) unless the bases are not 16-byte aligned (TMA needs it) or the
+    shape's range form failed to build; else the gathering kernel. A range form this Triton cannot build (Gluon's
+    TMA API moves between releases) warns once for the shape and falls back to gathering; other errors, and any
+    error with the Gluon kernels asked for (``DSV4ATTN_KERNELS=gluon``), propagate."""
     q, compressed_kv = q.contiguous(), compressed_kv.contiguous()
-    if (first is None or q.data_ptr() % 16 or compressed_kv.data_ptr() % 16
-            or (q.shape[2], q.dtype) in RANGE_FORM_FAILED):
-        return False, (q, compressed_kv, candidates)
-    return True, (*_range_descs(q, compressed_kv, cfg["BLOCK_N"]), first.to(torch.int32).contiguous(), candidates)
-
-
-def _launch_teacher(gathering, ranges, q, compressed_kv, candidates, cfg: dict, first, *rest):
-    """One teacher kernel over q's rows: its range form where ``first`` allows it (:func:`_teacher_sources`), else
-    the gathering kernel. A range form this Triton cannot build (Gluon's TMA API moves between releases) warns once
-    for the shape and falls back to gathering; other errors, and any error with the Gluon kernels asked for
-    (``DSV4ATTN_KERNELS=gluon``), propagate."""
     T, H, D = q.shape
-    grid = (T * (H // BLOCK_H),)
-    meta = dict(D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4, REGS=tuple(cfg["REGS"]))
-    range_form, sources = _teacher_sources(q, compressed_kv, candidates, cfg, first)
-    if range_form:
+    lead = () if full_lse is None else (full_lse,)
+    if not (first is None or q.data_ptr() % 16 or compressed_kv.data_ptr() % 16
+            or (D, q.dtype) in RANGE_FORM_FAILED):
         try:
-            ranges[grid](*sources, *rest, **meta)
+            ranges[((T + 1) // 2 * (H // BLOCK_H),)](
+                q, _kv_desc(compressed_kv, cfg["BLOCK_N"]), first.to(torch.int32).contiguous(), candidates, n_end,
+                *lead, out, T, H, K, scale, D=D, BLOCK_N=cfg["BLOCK_N"], STAGES=_pair_stages(cfg["BLOCK_N"], D),
+                num_warps=4, REGS=PAIR_REGS)
             return
         except Exception as exc:
             if not variants.gluon_build_error(exc) or variants.strict():
@@ -517,8 +632,9 @@ def _launch_teacher(gathering, ranges, q, compressed_kv, candidates, cfg: dict, 
             warnings.warn(f"dsv4attn: the Gluon teacher kernels' range form (TMA) could not be built for D={D} "
                           f"{q.dtype} by Triton {triton.__version__} ({type(exc).__name__}: {str(exc)[:500]}); "
                           "the gathering teacher kernels serve it", RuntimeWarning, stacklevel=3)
-        _, sources = _teacher_sources(q, compressed_kv, candidates, cfg, first)     # now the gathering form
-    gathering[grid](*sources, *rest, **meta)
+    gathering[(T * (H // BLOCK_H),)](q, compressed_kv, candidates, n_end, *lead, out, H, K, scale, D=D,
+                                     BLOCK_N=cfg["BLOCK_N"], STAGES=cfg["STAGES"], num_warps=4,
+                                     REGS=tuple(cfg["REGS"]))
 
 
 def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None, n_end=None, first=None):
@@ -537,8 +653,8 @@ def teacher_mass(q, compressed_kv, candidates, full_lse, scale, config=None, n_e
     planes = torch.zeros(H // BLOCK_H, T, K, dtype=torch.float32, device=q.device)
     if T and K:
         _launch_teacher(_teacher_mass_gluon, _teacher_mass_ranges_gluon, q, compressed_kv, candidates, cfg, first,
-                        row_ends(candidates) if n_end is None else n_end, full_lse.float().contiguous(), planes, H,
-                        K, scale)
+                        row_ends(candidates) if n_end is None else n_end, planes, K, scale,
+                        full_lse=full_lse.float().contiguous())
     return planes[0] if planes.shape[0] == 1 else planes.sum(0)
 
 
@@ -554,5 +670,5 @@ def teacher_lse(q, compressed_kv, candidates, scale, config=None, n_end=None, fi
         return torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
     parts = torch.empty(2, T, H, dtype=torch.float32, device=q.device)
     _launch_teacher(_teacher_lse_gluon, _teacher_lse_ranges_gluon, q, compressed_kv, candidates, cfg, first,
-                    row_ends(candidates) if n_end is None else n_end, parts, H, K, scale * LOG2E)
+                    row_ends(candidates) if n_end is None else n_end, parts, K, scale * LOG2E)
     return torch.logaddexp(parts[0], parts[1])
