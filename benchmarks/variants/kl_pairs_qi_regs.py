@@ -21,8 +21,10 @@ import torch
 MODULE = "dsv4attn.ops.indexer_loss.gluon_hopper"
 KERNEL = "_indexer_kl_bwd_pairs_gluon"
 
-_SIG = ("    def _pair_consumer(W_, IDX, G, GRAD, DQI, DKI, DW, K, r0, r1, n_end, qi_all, ring, dx_smem, full, empty,\n")
-_INIT = "        dw = gl.zeros([HEADS_C], gl.float32, layout=row_layout)\n        for b in range(gl.cdiv(n_end, BLOCK_N)):\n"
+_SIG = ("    def _pair_consumer(W_, IDX, G, GRAD, DQI, DKI, DW, K, r0, r1, n_end, qi_all, ring, dx_smem, full, "
+        "empty,\n")
+_INIT = ("        dw = gl.zeros([HEADS_C], gl.float32, layout=row_layout)\n"
+         "        for b in range(gl.cdiv(n_end, BLOCK_N)):\n")
 _LOAD = ("        qi_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=x_layout, k_width=2)\n"
          "        qi_heads = gl.arange(0, HEADS_C, layout=gl.SliceLayout(1, qi_layout))\n"
          "        qi_dims = gl.arange(0, HEAD_DIM_C, layout=gl.SliceLayout(0, qi_layout))\n"
