@@ -240,14 +240,17 @@ def test_teacher_lse_matches_float64(H, D, K, dtype, config):
     (64, 50, 512, 300, torch.bfloat16, None), (64, 700, 256, 100, torch.float16, dict(BLOCK_N=16, STAGES=4)),
     (64, 700, 128, 10, torch.bfloat16, dict(BLOCK_N=32, STAGES=4))])
 @pytest.mark.parametrize("starts", ["random", "documents"])
-def test_teacher_range_form_equals_gathering(H, N, D, K, dtype, config, starts):
+def test_teacher_range_form_equals_gathering(H, N, D, K, dtype, config, starts, monkeypatch):
     """The teacher kernels' range form (row t's candidates the kv rows first[t] + j, loaded by TMA: the warm-up's
     every visible entry on one device; two rows a program) gives the gathering kernels' values bit for bit: ragged
     counts, rows without a candidate (their first at or far past the kv's end, as padding rows have it), blocks that
     run past the kv tensor's end (TMA reads zeros), two head blocks, a kv shorter than one block, fp16, other ring
     depths and blocks, K below one block, an odd number of rows. "random": every pair's rows start apart (each row
     its own blocks of the program's stream); "documents": runs of rows with one start and counts growing along
-    the run (the warm-up's layout: pairs share their blocks), runs starting at odd and even rows."""
+    the run (the warm-up's layout: pairs share their blocks), runs starting at odd and even rows, and one run
+    whose counts shrink (a pair's second row with fewer blocks than its first). The Gluon mode is strict: a range
+    form that fails to build raises instead of leaving the gathering kernels to compare with themselves."""
+    monkeypatch.setattr(variants, "_mode", "gluon")
     gen = torch.Generator().manual_seed(H + N + D)
     T = 97
     q = torch.randn(T, H, D, generator=gen).to("cuda", dtype)
@@ -261,8 +264,8 @@ def test_teacher_range_form_equals_gathering(H, N, D, K, dtype, config, starts):
         count = torch.zeros(T, dtype=torch.int64)
         for a, b in zip(bounds[:-1], bounds[1:]):
             first[a:b] = int(torch.randint(0, N, (1,), generator=gen))
-            count[a:b] = torch.arange(b - a) * max(1, K // max(1, b - a)) // 1 + torch.randint(0, 2, (b - a,),
-                                                                                                generator=gen)
+            count[a:b] = torch.arange(b - a) * max(1, K // (b - a)) + torch.randint(0, 2, (b - a,), generator=gen)
+        count[32:61] = count[32:61].flip(0)                   # shrinking along the run
         count = torch.minimum(torch.minimum(count, torch.tensor(K)), N - first)
     count[:3] = 0
     first[0], first[1] = N, N + 5000
