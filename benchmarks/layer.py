@@ -53,6 +53,7 @@ from dsv4attn.layers import compressor as compressor_module
 # (module, name, label): the op entry points the layer calls.
 OPS = ((compressor_module, "compress_pool", "compressor pool"), (attention_module, "indexer_topk", "indexer top-k"),
        (attention_module, "sparse_attention", "attention"), (attention_module, "indexer_kl", "indexer KL"),
+       (attention_module, "sparse_attention_lse", "indexer KL (window LSE)"),
        (attention_module, "qnorm_rope", "q-norm + RoPE"))
 
 
@@ -69,9 +70,7 @@ class OpRecorder:
 
             def wrapper(*args, _fn=fn, _label=label, **kwargs):
                 grad = torch.is_grad_enabled()
-                # The attention call made without grad is the teacher's window LSE inside the indexer loss.
-                tag = _label if grad or _label != "attention" else "indexer KL (window LSE)"
-                self.calls.append((tag, _fn, args, kwargs, grad))
+                self.calls.append((_label, _fn, args, kwargs, grad))
                 return _fn(*args, **kwargs)
             setattr(module, name, wrapper)
         return self

@@ -7,7 +7,7 @@ from torch import nn
 from .. import checks
 from ..checkpoints import load_attention_state_dict
 from ..config import AttentionConfig, check_phase, check_ratio
-from ..ops import indexer_kl, indexer_topk, qnorm_rope, sparse_attention
+from ..ops import indexer_kl, indexer_topk, qnorm_rope, sparse_attention, sparse_attention_lse
 from ..ops.index_sets import Concat, Explicit, Rows, VisibleCompressed, Window
 from ..packing import PackedBatch, cached
 from ..parallel.setup import halo_rows, layer_frame
@@ -228,9 +228,17 @@ class HybridAttention(KeepFp32Params):
                 index_q, index_k, index_w = self.indexer(x.detach(), qr.detach(), pos_q, x_keys.detach(), owned,
                                                          inv_freq)
                 index_k = frame.gather(index_k, "index_k")
-                # The scores the top-k ranked are the sparse teacher's student logits: the KL takes them as they are.
-                topk, topk_scores = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), visible,
-                                                 c.index_topk, return_scores=True)
+                if train_indexer and phase == "warmup":
+                    # The teacher spans every visible entry, the attention the top-k: the loss selects the top-k
+                    # from the student scores it forms over them anyway (indexer_kl's select_topk, bit for bit
+                    # indexer_topk's result).
+                    loss, topk, topk_scores = self._indexer_loss(q, kv, compressed, window, index_q, index_k,
+                                                                 index_w, visible, pack, select_topk=c.index_topk)
+                else:
+                    # The scores the top-k ranked are the sparse teacher's student logits: the KL takes them as they
+                    # are.
+                    topk, topk_scores = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), visible,
+                                                     c.index_topk, return_scores=True)
                 if sharded:
                     # The distinct selected rows, from their owners; top-k renumbered to rows of `compressed`, and
                     # the indexer keys cut to the same rows so that the teacher's candidates address both alike.
@@ -238,8 +246,6 @@ class HybridAttention(KeepFp32Params):
                     keys, index_k = torch.cat([kv, compressed.to(kv.dtype)], dim=0), index_k[needed]
                 # Top-k rows are rows of index_k by construction: that bound lets the ops skip any range work.
                 index_set = Concat(window, Explicit(topk, offset=n_keys, bound=index_k.shape[0]))
-                if train_indexer and phase == "warmup":      # teacher over every visible entry
-                    loss = self._indexer_loss(q, kv, compressed, window, index_q, index_k, index_w, visible, pack)
 
         # The output comes rotated back by the query's angle (the inverse RoPE, fused into the kernels' epilogue;
         # always a new tensor: docs/semantics.md, invariant 9.1).
@@ -280,10 +286,10 @@ class HybridAttention(KeepFp32Params):
 
     @torch.no_grad()
     def _outside_lse(self, q, kv, window):
-        """(T, H) log attention mass outside the compressed candidates: the window keys plus the sink."""
-        sinks = self.sinks.detach()
-        _, window_lse = sparse_attention(q.detach(), kv.detach(), window, sinks, self.config.softmax_scale)
-        return torch.logaddexp(window_lse, sinks.to(window_lse.dtype))
+        """(T, H) log attention mass outside the compressed candidates: the window keys plus the sink (the window's
+        lse alone: no attention output is formed for it)."""
+        window_lse = sparse_attention_lse(q.detach(), kv.detach(), window, self.config.softmax_scale)
+        return torch.logaddexp(window_lse, self.sinks.detach().to(window_lse.dtype))
 
     @torch.no_grad()
     def indexer_inputs(self, hidden_states: torch.Tensor, pack: PackedBatch) -> dict:
@@ -314,17 +320,22 @@ class HybridAttention(KeepFp32Params):
                     index_weights=index_w, layout=layout)
 
     def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, candidates, pack, full_lse=None,
-                      student_scores=None):
+                      student_scores=None, select_topk=None):
         """coeff * sum_t KL_t / real rows of the global batch (under CP this rank's share). Teacher operands are
         detached (docs/semantics.md, invariant 9.9); ``candidates`` is the top-k (sparse teacher, with the attention's
         ``full_lse`` and the top-k's own scores as the student logits) or every visible entry (warm-up: the window +
-        sink mass is computed here)."""
+        sink mass is computed here, and ``select_topk`` returns (loss, top-k, its scores))."""
         outside_lse = None if full_lse is not None else self._outside_lse(q, kv, window)
         # Under tensor parallelism q holds this rank's heads: head_sum adds the other ranks' teacher mass.
         kl = indexer_kl(index_q, index_k, index_w, q.detach(), compressed.detach(), candidates, outside_lse,
                         self.config.softmax_scale, full_lse=full_lse,
-                        head_sum=None if self.tp.world == 1 else self.tp.sum_, student_scores=student_scores)
-        return self.config.indexer_loss_coeff * kl.sum() / pack.num_real_rows.clamp(min=1).to(kl.dtype)
+                        head_sum=None if self.tp.world == 1 else self.tp.sum_, student_scores=student_scores,
+                        select_topk=select_topk)
+        chosen = ()
+        if select_topk is not None:
+            kl, *chosen = kl
+        loss = self.config.indexer_loss_coeff * kl.sum() / pack.num_real_rows.clamp(min=1).to(kl.dtype)
+        return (loss, *chosen) if select_topk is not None else loss
 
     def _check_input(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
         hidden = self.config.hidden_size

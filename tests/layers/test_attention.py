@@ -248,13 +248,15 @@ def test_phases_build_their_own_graph(monkeypatch):
     real = attention_module.indexer_kl
 
     def spy(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, full_lse=None, head_sum=None,
-            student_scores=None):
+            student_scores=None, select_topk=None):
         seen.append(candidates)
         assert (full_lse is not None) == isinstance(candidates, dsv4attn.ops.Explicit)   # sparse: attention's L
         assert (student_scores is not None) == (full_lse is not None)     # sparse: the top-k's own scores
+        # warm-up: the loss selects the attention's top-k from the student scores it forms over every entry
+        assert (select_topk is not None) == (full_lse is None)
         assert head_sum is None                       # one process: the teacher already sums every head
         return real(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, full_lse=full_lse,
-                    student_scores=student_scores)
+                    student_scores=student_scores, select_topk=select_topk)
 
     monkeypatch.setattr(attention_module, "indexer_kl", spy)
     layer = make_layer(4)

@@ -295,3 +295,25 @@ def test_student_scores_are_checked():
         indexer_kl(index_q, index_k, index_w, q, ckv, cand, full_lse=full, student_scores=scores[:, :4])
     with pytest.raises(ValueError, match="student_scores must have dtype"):
         indexer_kl(index_q, index_k, index_w, q, ckv, cand, full_lse=full, student_scores=scores.long())
+
+
+def test_select_topk_returns_the_indexer_topk():
+    """``select_topk``: (kl, indices, scores), the kl unchanged and the other two what indexer_topk gives on the same
+    candidates (the warm-up's every visible entry, and a tensor of candidates); the value is checked."""
+    from dsv4attn.ops import indexer_topk
+    torch.manual_seed(9)
+    pack = build_pack(RAGGED_R4 + (21,), padding=4)
+    lay = pack.compressed(4)
+    T, Nc = pack.total_rows, lay.capacity
+    index_q, index_k, index_w = (torch.randn(T, 2, 4).double(), torch.randn(Nc, 4).double(),
+                                 torch.randn(T, 2).double())
+    q, ckv, outside = torch.randn(T, 3, 8).double(), torch.randn(Nc, 8).double(), torch.randn(T, 3).double()
+    visible = VisibleCompressed(lay, T)
+    for cands in (visible, visible.materialize()):
+        kl, idx, scores = indexer_kl(index_q, index_k, index_w, q, ckv, cands, outside, select_topk=3)
+        assert torch.equal(kl, indexer_kl(index_q, index_k, index_w, q, ckv, cands, outside))
+        want_idx, want_scores = indexer_topk(index_q, index_k, index_w, visible, 3, return_scores=True)
+        assert torch.equal(idx, want_idx) and torch.equal(scores, want_scores)
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(ValueError, match="select_topk must be None or a positive int"):
+            indexer_kl(index_q, index_k, index_w, q, ckv, visible, outside, select_topk=bad)

@@ -644,7 +644,12 @@ def _op_checks(klt, plumbing_inputs) -> dict:
     args = (*leaves, q, ckv, outside, first, vis, table, shift, cand.width, 0.25, True, fwd_tiles, bwd_tiles)
     checks.append(torch.library.opcheck(klt.indexer_kl_ranges_op, args))
     checks.append(torch.library.opcheck(klt.indexer_kl_ranges_op, (*args, False, [5])))      # a Stack's part start
-    _, full2, rowstat, g = klt.indexer_kl_ranges_op(*args[:12], False, fwd_tiles, bwd_tiles)     # the recompute
+    checks.append(torch.library.opcheck(klt.indexer_kl_ranges_op, (*args, False, None, 3)))  # and its top-k
+    _, full2, rowstat, g, _, _ = klt.indexer_kl_ranges_op(*args[:12], False, fwd_tiles, bwd_tiles)  # the recompute
+    # The top-k it selects (here the top-k op's own: no Gluon teacher under the interpreter) is the indexer's.
+    chosen = klt.indexer_kl_ranges_op(*args, False, None, 3)[4:]
+    want = klt.indexer_triton.indexer_topk_triton(index_q, index_k, index_w, cand, 3, return_scores=True)
+    out["select_topk_is_the_indexer_topk"] = all(torch.equal(a, b) for a, b in zip(chosen, want))
     backward_args = (grad_kl.float(), *(t.detach() for t in leaves), q, ckv, first, vis, table, full2, rowstat, g,
                      shift, cand.width, 0.25, fwd_tiles, bwd_tiles)
     checks.append(torch.library.opcheck(klt.indexer_kl_ranges_backward_op, backward_args))
@@ -783,7 +788,7 @@ def test_plumbing(interpreted, check):
 
 @pytest.mark.parametrize("check", ["explicit_runs_ops", "other_lazy_sets_run_explicit_ops",
                                    "visible_runs_ranges_ops", "opcheck", "compile_fullgraph_matches_eager",
-                                   "compile_fullgraph_ranges_matches_eager"])
+                                   "compile_fullgraph_ranges_matches_eager", "select_topk_is_the_indexer_topk"])
 def test_registered_ops(interpreted, check):
     assert interpreted["op"][check]
 
@@ -981,6 +986,44 @@ def test_gpu_warmup_stack_of_far_apart_segments(save_g, monkeypatch):
         assert calls == [100, 100] * (1 if save_g else 2), calls
     measured = _compare(kernel, _run(indexer_kl_reference, inputs), _run(indexer_kl_reference, inputs, widen=True))
     _assert_within_bounds(f"warmup-stack-save-{save_g}", measured, low_precision=True)
+
+
+@GPU
+@pytest.mark.parametrize("case", ["pack", "chunks", "stack", "triton-teacher"])
+def test_gpu_warmup_selects_the_indexer_topk(case, monkeypatch):
+    """``select_topk`` over the warm-up's ranges: the loss's top-k equals ``indexer_topk``'s bit for bit (indices
+    and scores) and the loss itself is unchanged; on SM90 the top-k comes from the score pass of the student (the
+    score kernel runs once per KL chunk, no top-k op of its own). Cases: a ragged pack in one chunk, the same in
+    four chunks of the KL (the top-k op chunks its rows otherwise), a Stack of two far-apart parts, and the Gluon
+    teacher off (the Triton KL kernel forms the student itself: the top-k op selects)."""
+    import dsv4attn
+    from dsv4attn.ops.index_sets import Rows, Stack, VisibleCompressed
+    from dsv4attn.ops.indexer_loss import triton as klt
+
+    inputs = list(flash_inputs(4096, "warmup", seed=4))
+    if case == "chunks":
+        monkeypatch.setattr(klt, "INDEX_BUDGET", 1024 * inputs[6].width)
+    if case == "stack":
+        cu = torch.arange(0, 4097, 256, dtype=torch.int32, device="cuda")
+        base = VisibleCompressed(dsv4attn.pack_batch(cu, 4096, 256).compressed(4), 4096)
+        rows = torch.cat([torch.arange(0, 100), torch.arange(3850, 3950)]).cuda()
+        inputs = [t[rows] if i in (0, 2, 3, 5) else t for i, t in enumerate(inputs)]
+        inputs[6], inputs[7] = Stack(Rows(base, 0, 100), Rows(base, 3850, 100)), inputs[7][:200]
+    if case == "triton-teacher":
+        monkeypatch.setattr(variants, "FAILED",
+                            {("indexer_kl", "teacher_mass", (512, torch.bfloat16)): "forced off by the test"})
+    index_q, index_k, index_w, q, ckv, outside, cand, _ = inputs
+    args = (index_q, index_k, index_w, q, ckv, outside, cand, 512 ** -0.5)
+    want_idx, want_scores = klt.indexer_triton.indexer_topk_triton(index_q, index_k, index_w, cand, 512,
+                                                                   return_scores=True)
+    want_kl = klt.indexer_kl_triton(*args)
+    calls = []
+    real = klt.indexer_triton.indexer_topk_ranges_op
+    monkeypatch.setattr(klt.indexer_triton, "indexer_topk_ranges_op", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kl, idx, scores = klt.indexer_kl_triton(*args, select_topk=512)
+    assert torch.equal(idx, want_idx) and torch.equal(scores, want_scores)
+    assert torch.equal(kl, want_kl)
+    assert (not calls) == klt._gluon_teacher(q, cand.width), calls    # fused exactly where the teacher is Gluon's
 
 
 @GPU

@@ -503,3 +503,48 @@ def test_opcheck(with_length):
     torch.library.opcheck(sparse_attention_op, (q, kv, idx, sink, 0.3, length, False, "reference", *rope))
     torch.library.opcheck(sparse_attention_backward_op, (grad_out, q.detach(), kv.detach(), idx, sink.detach(),
                                                          out.detach(), lse, 0.3, length, True, "reference", *rope))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sparse_attention_lse: the lse of sparse_attention without its output.
+
+@pytest.mark.parametrize("indices", ["tensor", "index-set"])
+def test_lse_alone_equals_the_attention_lse(indices):
+    from dsv4attn.ops import sparse_attention_lse
+    pack, q, kv, sink, index_set = ragged_sets(12)
+    idx = index_set if indices == "index-set" else index_set.materialize().to(torch.int32)
+    _, want = sparse_attention(q, kv, idx, sink)
+    got = sparse_attention_lse(q.requires_grad_(True), kv, idx)
+    assert got.dtype == torch.float64 and not got.requires_grad
+    torch.testing.assert_close(got, want, rtol=0, atol=0)        # the same chunked reference sums
+    assert torch.isneginf(got[~pack.row_is_real]).all()
+    # The reference's own arithmetic against the scalar oracle (holes, empty rows), and the scale argument.
+    q2, kv2, idx2, sink2 = make_case(23)
+    torch.testing.assert_close(sparse_attention_lse(q2, kv2, idx2, 0.3), oracle(q2, kv2, idx2, sink2, 0.3)[1],
+                               **FP64)
+
+
+def test_lse_alone_bad_input_and_out_of_range_rows():
+    from dsv4attn.ops import sparse_attention_lse
+    q, kv, idx, sink = make_case(24)
+    with pytest.raises(ValueError, match=r"kv"):
+        sparse_attention_lse(q, kv[:, :3], idx)
+    with pytest.raises(TypeError, match=r"indices must be a \(T, K\) int32 torch.Tensor or an IndexSet"):
+        sparse_attention_lse(q, kv, idx.tolist())
+    # A row index >= N is an empty slot (as in sparse_attention); the debug mode raises instead.
+    wide = idx.clone()
+    wide[0, 0] = kv.shape[0] + 5
+    torch.testing.assert_close(sparse_attention_lse(q, kv, wide), sparse_attention(q, kv, wide, sink)[1],
+                               rtol=0, atol=0)
+    with dsv4attn.checks.checks("values"), pytest.raises(ValueError, match=r"indices"):
+        sparse_attention_lse(q, kv, wide)
+
+
+def test_lse_alone_opcheck_and_compile():
+    from dsv4attn.ops import sparse_attention_lse
+    from dsv4attn.ops.sparse_attention.op import sparse_attention_lse_op
+    q, kv, idx, sink, _ = _compile_inputs(25, dtype=torch.float64)
+    torch.library.opcheck(sparse_attention_lse_op, (q, kv, idx, 0.3, "reference"))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: sparse_attention_lse(a, b, idx), fullgraph=True)(q, kv)
+    torch.testing.assert_close(compiled, sparse_attention_lse(q, kv, idx), rtol=0, atol=0)

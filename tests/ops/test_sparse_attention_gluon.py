@@ -351,6 +351,59 @@ def test_teacher_range_form_errors_that_are_not_build_failures_propagate(monkeyp
     assert gluon_hopper.RANGE_FORM_FAILED == {}
 
 
+@sm90
+@pytest.mark.parametrize("T,H,D,K,N,dtype", [
+    (64, 64, 512, 128, 300, torch.bfloat16), (40, 128, 512, 130, 1000, torch.bfloat16),
+    (33, 64, 256, 64, 64, torch.float16), (9, 64, 512, 0, 10, torch.bfloat16)])
+def test_sparse_attention_lse_takes_the_teacher_kernel(T, H, D, K, N, dtype, monkeypatch):
+    """``sparse_attention_lse`` on SM90 runs the teacher-LSE kernel (scores only) and gives the attention's lse:
+    error <= 2x the reference op's own in the same dtype (both against float64) + 1e-6 of the largest |lse|, -inf
+    exactly where a row has no valid slot; the forward kernel is not launched."""
+    from dsv4attn.ops import sparse_attention_lse
+    monkeypatch.setattr(variants, "_mode", "gluon")
+    monkeypatch.setattr(variants, "FAILED", {})
+    ran = []
+    teacher = gluon_hopper.teacher_lse
+    monkeypatch.setattr(gluon_hopper, "teacher_lse", lambda *a, **k: ran.append(1) or teacher(*a, **k))
+    monkeypatch.setattr(gluon_hopper, "launch_fwd", None)             # calling it fails the test
+    gen = torch.Generator().manual_seed(T + H + K)
+    q, kv, idx, sink = inputs(T, H, D, K, N, dtype, gen)
+    got = sparse_attention_lse(q, kv, idx).double()
+    assert ran == [1] or K == 0
+    low = sparse_attention_reference(q, kv, Explicit(idx), sink, D ** -0.5)[1].double()
+    exact = sparse_attention_reference(q.double(), kv.double(), Explicit(idx), sink.double(), D ** -0.5)[1]
+    finite = torch.isfinite(exact)
+    assert torch.equal(torch.isfinite(got), finite) and torch.equal(got[~finite], exact[~finite])
+    if finite.any():
+        err = (got - exact)[finite].abs().max().item()
+        err_ref = (low - exact)[finite].abs().max().item()
+        assert err <= 2 * err_ref + 1e-6 * exact[finite].abs().max().item(), (err, err_ref)
+
+
+def test_sparse_attention_lse_build_failure_falls_back_to_the_forward_once(monkeypatch):
+    """A teacher-LSE kernel this Triton cannot build: one warning naming it, then the forward kernel's lse for that
+    D and dtype; other errors propagate."""
+    launched, (q, kv, idx, _sink, scale) = _stub_launches(monkeypatch, AssertionError("forward: Triton only here"))
+    monkeypatch.setattr(variants, "_mode", "auto")
+    monkeypatch.setattr(sat, "forward_kernel", lambda q, config=None: "triton")
+
+    def broken(*args, **kwargs):
+        raise PTXASError("this Triton cannot build the teacher LSE kernel")
+    monkeypatch.setattr(gluon_hopper, "teacher_lse", broken)
+    built = r"teacher LSE kernel \(_teacher_lse_gluon: scores only\) could not be built for D=128 torch.bfloat16"
+    with pytest.warns(RuntimeWarning, match=built):
+        sat.triton_lse(q, kv, idx, scale)
+    assert [k for k, _ in launched] == [sat._sparse_attn_fwd_kernel]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                     # not tried again, no second warning
+        sat.triton_lse(q, kv, idx, scale)
+    assert len(launched) == 2
+    monkeypatch.setattr(variants, "FAILED", {})
+    monkeypatch.setattr(gluon_hopper, "teacher_lse", lambda *a, **k: (_ for _ in ()).throw(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):
+        sat.triton_lse(q, kv, idx, scale)
+
+
 def test_teacher_kernels_refuse_odd_rings():
     q = torch.zeros(2, 64, 128, dtype=torch.bfloat16)
     for stages in (1, 3):

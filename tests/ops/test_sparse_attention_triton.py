@@ -345,8 +345,17 @@ def _worker() -> None:
         index_sets.CHUNK_BUDGET["cpu"] = saved_budget
     # Every slot empty and a kv with no rows: zeros, -inf lse, zero gradients (the kernel must not read kv).
     empty = _run_public(q[:5], kv[:0], torch.full((5, 3), -1, dtype=torch.int32), sink, g[:5])
+    # The lse alone (sparse_attention_lse, the forward kernel's lse here: no Gluon on the CPU), lazy and chunked.
+    from dsv4attn.ops import sparse_attention_lse
+    index_sets.CHUNK_BUDGET["cpu"] = 7 * lazy.width
+    try:
+        lse_alone = sparse_attention_lse(q, kv, lazy)
+    finally:
+        index_sets.CHUNK_BUDGET["cpu"] = saved_budget
+    lse_empty = sparse_attention_lse(q[:5], kv[:0], torch.full((5, 3), -1, dtype=torch.int32))
     backend.set_backend(None)
     results["chunked_index_set"] = dict(
+        lse_alone_bitwise=torch.equal(lse_alone.double(), one_shot[1]) and bool(torch.isneginf(lse_empty).all()),
         equals_one_shot=all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(chunked, one_shot)),
         out_and_lse_bitwise=torch.equal(chunked[0], one_shot[0]) and torch.equal(chunked[1], one_shot[1]),
         rotated_equals_one_shot=all(torch.allclose(a, b, rtol=1e-6, atol=1e-6)
@@ -461,6 +470,6 @@ def test_output_rotation_in_value_column_slices(interpreted, pairs):
 
 
 @pytest.mark.parametrize("check", ["equals_one_shot", "out_and_lse_bitwise", "rotated_equals_one_shot",
-                                   "empty_kv_ok"])
+                                   "empty_kv_ok", "lse_alone_bitwise"])
 def test_index_set_chunks_and_empty_kv(interpreted, check):
     assert interpreted["chunked_index_set"][check], interpreted["chunked_index_set"]

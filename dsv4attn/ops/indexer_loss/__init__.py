@@ -12,7 +12,7 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
                compressed_kv: torch.Tensor, candidates: torch.Tensor | IndexSet,
                outside_lse: torch.Tensor | None = None, softmax_scale: float | None = None, *,
                full_lse: torch.Tensor | None = None, head_sum=None,
-               student_scores: torch.Tensor | None = None) -> torch.Tensor:
+               student_scores: torch.Tensor | None = None, select_topk: int | None = None):
     """Per-row KL(teacher || student) of the indexer (see ``reference.py`` for the formula).
 
     Args:
@@ -39,9 +39,15 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
             the indexer's top-k formed them (``indexer_topk(..., return_scores=True)``), float, any value at empty
             slots, detached: the forward takes them instead of forming I(j) again (on CUDA it then reads no
             indexer key; the backward still forms the dots, which the gradients need).
+        select_topk: k > 0 to also take the indexer's top-k over the candidates (the warm-up, whose attention uses
+            the top-k while its teacher spans every visible entry): what ``indexer_topk(index_q, index_k,
+            index_weights, candidates, k, return_scores=True)`` returns, bit for bit, not differentiable. On SM90
+            over the warm-up's ranges it is selected from the student's scores the loss forms anyway (one pass of
+            the indexer's score kernel instead of two).
     Returns:
         (T,) fp32 (fp64 for fp64 inputs) KL per row; 0 for rows with an empty S_t (incl. padding rows).
-        The layer loss is ``coeff * kl.sum() / number_of_real_rows``.
+        The layer loss is ``coeff * kl.sum() / number_of_real_rows``. With ``select_topk``: (kl, indices, scores),
+        the last two as :func:`dsv4attn.ops.indexer_topk` gives them.
     """
     F = checks.FLOATS
     checks.check_tensor("index_q", index_q, dim=3, dtypes=F)
@@ -79,15 +85,23 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
                              "phase's teacher over exactly the attention's candidates")
         width = candidates.shape[1] if isinstance(candidates, torch.Tensor) else candidates.width
         checks.check_tensor("student_scores", student_scores, shape=(T, width), dtypes=F, device=index_q.device)
+    if select_topk is not None and (isinstance(select_topk, bool) or not isinstance(select_topk, int)
+                                    or select_topk <= 0):
+        raise ValueError(f"select_topk must be None or a positive int, got {select_topk!r}")
     scale = checks.check_scale(softmax_scale, q.shape[2])
     cand = within(as_index_set(candidates), index_k.shape[0])    # no kernel ever sees a row >= Nc (negative rows
                                                                   # are empty slots in all of them)
     with backend.exact_math(index_q.device):
         if head_sum is None and backend.choose("indexer_kl", index_q.device) == "triton":
             return backend.kernel("indexer_kl")(index_q, index_k, index_weights, q, compressed_kv, lse, cand, scale,
-                                                full=full, student_scores=student_scores)
-        return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, lse, cand, scale, full=full,
-                                    head_sum=head_sum, student_scores=student_scores)
+                                                full=full, student_scores=student_scores, select_topk=select_topk)
+        kl = indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, lse, cand, scale, full=full,
+                                  head_sum=head_sum, student_scores=student_scores)
+    if select_topk is None:
+        return kl
+    from ..indexer import indexer_topk       # the op's own dispatch (a top-k kernel may run where this loss cannot)
+    return (kl, *indexer_topk(index_q.detach(), index_k.detach(), index_weights.detach(), cand, select_topk,
+                              return_scores=True))
 
 
 try:  # registers the Triton kernels with the backend (used on CUDA); CPU-only installs run the reference

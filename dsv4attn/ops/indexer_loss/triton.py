@@ -554,6 +554,37 @@ def _student_orders(qi, ki, w, ranges: StudentRanges, K: int, out: torch.Tensor)
                                      ranges.shift, K, indexer_triton.CONFIG, out=out[a:b])
 
 
+class Selection:
+    """The indexer's top-k of every row over the ranges' candidates, asked of the ranges op (``select_topk``): on
+    the Gluon teacher's path the KL forward selects each chunk from the int32 score orders it has the indexer's
+    score kernel write for the student (:meth:`from_orders`), so the warm-up forms those scores once, not once for
+    the top-k and again for the loss; otherwise :meth:`finish` runs the top-k op on its own. Either way the result
+    is ``indexer_topk(index_q, index_k, index_weights, candidates, topk, return_scores=True)`` bit for bit: the same
+    score kernel and select kernel with the same configuration, row by row."""
+
+    def __init__(self, T: int, K: int, topk: int, device):
+        self.K, self.width = K, min(topk, K)
+        self.out = torch.empty(T, self.width, dtype=torch.int32, device=device)
+        self.scores = torch.empty(T, self.width, dtype=torch.float32, device=device)
+        self.done = False
+
+    def from_orders(self, orders: torch.Tensor, ranges: StudentRanges, s: int, e: int) -> None:
+        indexer_triton._select(orders, ranges.first, ranges.visible, ranges.table, ranges.shift, self.out[s:e],
+                               self.scores[s:e], indexer_triton.CONFIG)
+
+    def finish(self, qi, ki, w, ranges: StudentRanges) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, scores); the top-k op part by part (a Stack's parts, as ``indexer_topk``) unless done."""
+        if not self.done and self.width:
+            tiles = indexer_triton._tile_list(indexer_triton.CONFIG)
+            cuts = (0, *ranges.starts, qi.shape[0])
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                part = ranges.rows(a, b)
+                self.out[a:b], self.scores[a:b] = indexer_triton.indexer_topk_ranges_op(
+                    qi[a:b], ki, w[a:b], part.first, part.visible, part.table, part.shift, self.K, self.width, tiles,
+                    indexer_triton.ORDER_BUDGET)
+        return self.out, self.scores
+
+
 def _common_dtype(a: torch.Tensor, b: torch.Tensor):
     """Both operands of one product in one dtype: mixed inputs are widened to fp32 (exact, as the reference)."""
     return (a, b) if a.dtype == b.dtype else (a.float(), b.float())
@@ -581,7 +612,7 @@ def _split_launch(config: dict) -> tuple[dict, dict]:
 
 def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict, full: bool = False,
                 mass: torch.Tensor | None = None, scores: torch.Tensor | None = None, gluon_teacher: bool = False,
-                ranges: StudentRanges | None = None):
+                ranges: StudentRanges | None = None, select: "Selection | None" = None):
     """The forward kernel over ``chunks``, ``(start, end, idx (rows, K) int32, n_end (rows,) int32)`` each;
     ``full``: ``outside_lse`` holds each head's full denominator (see :func:`indexer_kl_triton`); ``mass``: with
     ``full``, the teacher mass (T, K) fp32 formed beforehand; ``scores``: with ``full``, the student logits I(j)
@@ -590,7 +621,8 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
     runs the full-denominator form on them. ``ranges``: the chunks' candidates as ranges (given on the Gluon
     teacher's path of the ranges ops): the full form then reads the student logits from the indexer's score kernel
     (:class:`StudentRanges`). ``full2`` holds each head's natural-log L in every form. A Gluon kernel's error is
-    raised as :class:`GluonTeacherFailed` (its cause).
+    raised as :class:`GluonTeacherFailed` (its cause). ``select``: where the indexer's score kernel forms the
+    student's logits (the orders above), each chunk's top-k is selected from them too (:class:`Selection`).
 
     Returns kl (T,), full2 (T, H), rowstat (T, 3) and G (T, K) (None unless ``save_g``), all fp32.
     """
@@ -630,6 +662,8 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
             g_rows.copy_(scores[s:e]).mul_(1.4426950408889634).masked_fill_(idx < 0, 0.0)     # in place, no temporary
         elif orders:         # the kernel reads them where j < visible, which the score kernel writes
             _student_orders(qi[s:e], ki, w[s:e], chunk_ranges, K, g_rows.view(torch.int32))
+            if select is not None:          # before the KL kernel writes dKL/dI over them
+                select.from_orders(g_rows.view(torch.int32), chunk_ranges, s, e)
         if gluon_teacher:
             first = None if chunk_ranges is None else chunk_ranges.first_rows()
             try:
@@ -649,6 +683,8 @@ def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: boo
                  g_rows, mass_rows, K, scale * 1.4426950408889634, scale, FLT_MIN),
                 meta, launch, _fwd_shrink)
         del outside_rows, mass_rows              # one chunk's (rows, K) buffers at a time, not two
+    if select is not None and orders:
+        select.done = True
     return kl, full2, rowstat, g_buf
 
 
@@ -759,7 +795,8 @@ def _row_chunks(idx: torch.Tensor, n_end: torch.Tensor):
 
 
 def _teacher_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict, full: bool,
-                     scores: torch.Tensor | None = None, ranges: StudentRanges | None = None):
+                     scores: torch.Tensor | None = None, ranges: StudentRanges | None = None,
+                     select: Selection | None = None):
     """The forward of both op pairs: on SM90 the Gluon teacher kernels form
     each chunk's teacher mass (``full``) or full denominators and mass (the outside-mass form: the warm-up), and the
     full form runs on them; elsewhere, or if a Gluon teacher kernel cannot be built, the Triton kernel forms the
@@ -769,22 +806,28 @@ def _teacher_forward(operands, outside_lse, chunks, K: int, scale: float, save_g
     if _gluon_teacher(qm, K):
         try:
             return _kl_forward(operands, outside_lse, chunks(), K, scale, save_g, config, full, scores=scores,
-                               gluon_teacher=True, ranges=ranges)
+                               gluon_teacher=True, ranges=ranges, select=select)
         except GluonTeacherFailed as failed:
             _note_teacher_failure(failed, qm)
+            if select is not None:
+                select.done = False             # the Triton teacher forms no orders: the top-k op selects
     return _kl_forward(operands, outside_lse, chunks(), K, scale, save_g, config, full, scores=scores)
 
 
 # ------------------------------------------------------------------------------------------- the custom ops
 def _forward_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, chunks, K: int, scale: float,
-                save_g: bool, fwd_tiles: list[int], full: bool, student_scores=None, ranges=None):
+                save_g: bool, fwd_tiles: list[int], full: bool, student_scores=None, ranges=None, select_topk: int = 0):
     """The body of both forward ops: ``chunks()`` gives the row chunks; ``ranges`` (the ranges op): the candidates
-    as :class:`StudentRanges`. Returns kl, full2, rowstat and G ((0, K) unless ``save_g``)."""
+    as :class:`StudentRanges`. Returns kl, full2, rowstat and G ((0, K) unless ``save_g``); with ``select_topk``
+    (the ranges op) also the top-k's indices and scores (:class:`Selection`)."""
     operands = _operands(index_q, index_k, index_weights, q, compressed_kv)
+    select = Selection(index_q.shape[0], K, select_topk, index_q.device) if select_topk else None
     with backend.exact_math(index_q.device):
         kl, full2, rowstat, g_buf = _teacher_forward(operands, outside_lse, chunks, K, scale, save_g,
-                                                     dict(zip(FWD_KEYS, fwd_tiles)), full, student_scores, ranges)
-    return kl, full2, rowstat, (kl.new_empty(0, K) if g_buf is None else g_buf)
+                                                     dict(zip(FWD_KEYS, fwd_tiles)), full, student_scores, ranges,
+                                                     select)
+        chosen = () if select is None else select.finish(*operands[:3], ranges)
+    return (kl, full2, rowstat, (kl.new_empty(0, K) if g_buf is None else g_buf)) + chosen
 
 
 def _forward_fake(index_q, q, K: int, save_g: bool):
@@ -892,23 +935,31 @@ def indexer_kl_ranges_op(index_q: torch.Tensor, index_k: torch.Tensor, index_wei
                          compressed_kv: torch.Tensor, outside_lse: torch.Tensor, first: torch.Tensor,
                          visible: torch.Tensor, table: Optional[torch.Tensor], shift: int, width: int, scale: float,
                          save_g: bool, fwd_tiles: list[int], bwd_tiles: list[int], full: bool = False,
-                         parts: Optional[list[int]] = None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         parts: Optional[list[int]] = None, select_topk: int = 0
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor]:
     """Forward of :func:`indexer_kl_triton` for the candidates ``map(first[t] + j), j < visible[t]`` of each row,
     ``width`` (>= 1) slots wide (``index_sets.contiguous_ranges``: ``first``, ``visible`` (T,) int, ``table`` None or
     the entry -> row map, ``shift``). ``parts``: the rows after 0 where a Stack's parts begin
     (``index_sets.range_part_starts``; None or [] for one set). Returns kl, full2, rowstat and G as
     :func:`indexer_kl_op` (no row ends: the backward materialises the slots again from the ranges, one chunk at a
-    time)."""
-    return _forward_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse,
-                       lambda: _range_chunks(first, visible, table, shift, width), width, scale, save_g, fwd_tiles,
-                       full, ranges=_student_ranges(first, visible, table, shift, parts))
+    time), then the indexer's top-k over the same candidates, (T, min(select_topk, width)) int32 rows of
+    ``index_k`` and their fp32 scores ((T, 0) each without ``select_topk``; :class:`Selection`)."""
+    out = _forward_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse,
+                      lambda: _range_chunks(first, visible, table, shift, width), width, scale, save_g, fwd_tiles,
+                      full, ranges=_student_ranges(first, visible, table, shift, parts), select_topk=select_topk)
+    if not select_topk:
+        out += (index_q.new_empty(index_q.shape[0], 0, dtype=torch.int32),
+                index_q.new_empty(index_q.shape[0], 0, dtype=torch.float32))
+    return out
 
 
 @indexer_kl_ranges_op.register_fake
 def _indexer_kl_ranges_fake(index_q, index_k, index_weights, q, compressed_kv, outside_lse, first, visible, table,
-                            shift, width, scale, save_g, fwd_tiles, bwd_tiles, full=False, parts=None):
-    return _forward_fake(index_q, q, width, save_g)
+                            shift, width, scale, save_g, fwd_tiles, bwd_tiles, full=False, parts=None, select_topk=0):
+    chosen = (index_q.shape[0], min(select_topk, width))
+    return _forward_fake(index_q, q, width, save_g) + (index_q.new_empty(chosen, dtype=torch.int32),
+                                                        index_q.new_empty(chosen, dtype=torch.float32))
 
 
 @torch.library.custom_op("dsv4attn::indexer_kl_ranges_backward", mutates_args=())
@@ -934,20 +985,20 @@ def _indexer_kl_ranges_backward_fake(grad_kl, index_q, index_k, index_weights, q
 
 def _setup_ranges_context(ctx, inputs, output):
     (index_q, index_k, index_weights, q, compressed_kv, _, first, visible, table, shift, width, scale, _, fwd_tiles,
-     bwd_tiles, _, parts) = inputs
-    _, full2, rowstat, g = output
+     bwd_tiles, _, parts, _) = inputs
+    _, full2, rowstat, g, chosen, chosen_scores = output
     ctx.save_for_backward(index_q, index_k, index_weights, q, compressed_kv, first, visible, table, full2, rowstat,
                           g)
     ctx.shift, ctx.width, ctx.scale, ctx.fwd_tiles, ctx.bwd_tiles = shift, width, scale, fwd_tiles, bwd_tiles
     ctx.parts = parts
-    ctx.mark_non_differentiable(full2, rowstat, g)
+    ctx.mark_non_differentiable(full2, rowstat, g, chosen, chosen_scores)
 
 
 def _ranges_backward(ctx, grad_kl, *_grad_state):
     d_qi, d_ki, d_w = indexer_kl_ranges_backward_op(_zero_grad_if_none(grad_kl, ctx.saved_tensors[0]),
                                                     *ctx.saved_tensors, ctx.shift, ctx.width, ctx.scale,
                                                     ctx.fwd_tiles, ctx.bwd_tiles, ctx.parts)
-    return (d_qi, d_ki, d_w) + (None,) * 14
+    return (d_qi, d_ki, d_w) + (None,) * 15
 
 
 indexer_kl_ranges_op.register_autograd(_ranges_backward, setup_context=_setup_ranges_context)
@@ -992,7 +1043,7 @@ def _tiles(config: dict | None, default: dict, keys: tuple[str, ...], what: str)
 def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torch.Tensor, q: torch.Tensor,
                       compressed_kv: torch.Tensor, outside_lse: torch.Tensor, candidates: IndexSet, scale: float,
                       config: dict | None = None, bwd_config: dict | None = None, full: bool = False,
-                      student_scores: torch.Tensor | None = None) -> torch.Tensor:
+                      student_scores: torch.Tensor | None = None, select_topk: int | None = None):
     """Triton implementation behind :func:`dsv4attn.ops.indexer_kl` (arguments already checked).
 
     Args:
@@ -1012,8 +1063,10 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
         config / bwd_config: tile configurations (default :data:`FWD_CONFIG` / :data:`BWD_CONFIG`).
         student_scores: with ``full``, the (T, K) student logits the top-k formed (the forward reads them instead of
             the indexer keys; a lazy index set is then materialised, as the scores are (T, K) already).
+        select_topk: also the indexer's top-k over the candidates (:func:`dsv4attn.ops.indexer_kl`); over ranges on
+            the Gluon teacher's path it is selected from the score pass the forward makes for the student anyway.
     Returns:
-        (T,) fp32 KL per row, 0 for rows with an empty S_t.
+        (T,) fp32 KL per row, 0 for rows with an empty S_t; with ``select_topk`` the triple (kl, indices, scores).
 
     float64 inputs, and empty problems (T = 0 or K = 0), **fall back to the reference**. Eager and compiled code
     take the same ops (module doc).
@@ -1021,9 +1074,19 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
     fwd_tiles = _tiles(config, FWD_CONFIG, FWD_KEYS, "config")            # checked on every path
     bwd_tiles = _tiles(bwd_config, BWD_CONFIG, BWD_KEYS, "bwd_config")
     tensors = (index_q, index_k, index_weights, q, compressed_kv, outside_lse)
+    given = candidates
+
+    def with_topk(kl):
+        """``kl``, or (kl, indices, scores) with the top-k op's selection (every path but the fused one)."""
+        if not select_topk:
+            return kl
+        chosen = indexer_triton.indexer_topk_triton(index_q.detach(), index_k.detach(), index_weights.detach(),
+                                                    given, select_topk, return_scores=True)
+        return (kl, *chosen)
+
     if (any(t.dtype not in KERNEL_DTYPES for t in tensors) or index_q.shape[0] == 0 or candidates.width == 0):
-        return indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates,
-                                    scale, full=full, student_scores=student_scores)
+        return with_topk(indexer_kl_reference(index_q, index_k, index_weights, q, compressed_kv, outside_lse,
+                                              candidates, scale, full=full, student_scores=student_scores))
     q, compressed_kv, outside_lse = q.detach(), compressed_kv.detach(), outside_lse.detach()
     if student_scores is not None:
         if not full:
@@ -1037,10 +1100,11 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
         ranges = None
     if ranges is not None:                     # the warm-up's every visible entry
         first, visible, table, shift = ranges
-        return indexer_kl_ranges_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, first, visible,
-                                    table, shift, candidates.width, float(scale),
-                                    _saves_g(index_q.shape[0], candidates.width) and grads, fwd_tiles, bwd_tiles,
-                                    bool(full), range_part_starts(candidates))[0]
+        out = indexer_kl_ranges_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, first, visible,
+                                   table, shift, candidates.width, float(scale),
+                                   _saves_g(index_q.shape[0], candidates.width) and grads, fwd_tiles, bwd_tiles,
+                                   bool(full), range_part_starts(candidates), int(select_topk or 0))
+        return (out[0], out[4], out[5]) if select_topk else out[0]
     if not isinstance(candidates, Explicit):   # no ranges: materialised whole, as int32 one chunk of rows at a time
         idx = torch.empty(index_q.shape[0], candidates.width, dtype=torch.int32, device=index_q.device)
         for s, e in chunk_rows(index_q.shape[0], candidates.width, budget=INDEX_BUDGET):
@@ -1050,8 +1114,9 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
     # Given student scores always save dKL/dI (G is their size): a backward recomputing the teacher would form the
     # student from the dots again, not from the given scores its forward used.
     save_g = (_saves_g(index_q.shape[0], candidates.width) or student_scores is not None) and grads
-    return indexer_kl_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse, idx.to(torch.int32),
-                         float(scale), save_g, fwd_tiles, bwd_tiles, bool(full), student_scores)[0]
+    return with_topk(indexer_kl_op(index_q, index_k, index_weights, q, compressed_kv, outside_lse,
+                                   idx.to(torch.int32), float(scale), save_g, fwd_tiles, bwd_tiles, bool(full),
+                                   student_scores)[0])
 
 
 def _bwd_config(bwd_tiles) -> dict:

@@ -5,7 +5,7 @@ import torch
 
 from ... import backend, checks
 from ..index_sets import IndexSet, within
-from .op import run
+from .op import run, run_lse
 from .reference import sparse_attention_naive, sparse_attention_reference
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -51,19 +51,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
     nothing here reads a device value; the debug mode's checks (index and ``topk_length`` ranges, NaN in ``q``,
     ``kv``, ``attn_sink``: a scan and a host read each) are skipped while compiling or capturing.
     """
-    checks.check_tensor("q", q, dim=3, dtypes=FLOATS)
+    width = _check_q_kv_indices(q, kv, indices)
     T, H, D = q.shape
-    checks.check_tensor("kv", kv, shape=(None, D), dtypes=(q.dtype,), device=q.device)
     checks.check_tensor("attn_sink", attn_sink, shape=(H,), dtypes=(torch.float32, torch.float64), device=q.device)
-    if isinstance(indices, torch.Tensor):
-        checks.check_tensor("indices", indices, shape=(T, None), dtypes=INDEX_DTYPES, device=q.device)
-        width = indices.shape[1]
-    elif isinstance(indices, IndexSet):
-        if indices.total_rows != T:
-            raise ValueError(f"indices must cover the {T} rows of q, got an index set of {indices.total_rows} rows")
-        width = indices.width
-    else:
-        raise TypeError(f"indices must be a (T, K) int32 torch.Tensor or an IndexSet, got {type(indices).__name__}")
     if topk_length is not None:
         checks.check_tensor("topk_length", topk_length, shape=(T,), dtypes=INDEX_DTYPES, device=q.device)
     if not isinstance(deterministic, bool):
@@ -79,17 +69,65 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
         checks.check_finite("q", q)
         checks.check_finite("kv", kv)
         checks.check_finite("attn_sink", attn_sink, allow_inf=True)
-    # Index safety, in every mode and without a host read: no kernel ever sees a row >= N (negative rows are
-    # empty slots in all of them). topk_length needs nothing: slots past min(length, K) are empty by definition.
-    if isinstance(indices, torch.Tensor):
-        indices = checks.mask_out_of_range(indices, kv.shape[0])
-    else:
-        indices = within(indices, kv.shape[0])
+    # topk_length needs no masking: slots past min(length, K) are empty by definition.
+    indices = _in_range(indices, kv.shape[0])
 
     if backend.choose("sparse_attention", q.device) == "triton":
         return backend.kernel("sparse_attention")(q, kv, indices, attn_sink, scale, topk_length=topk_length,
                                                   deterministic=deterministic, output_rope=output_rope)
     return run(q, kv, indices, attn_sink, scale, topk_length, deterministic, "reference", output_rope)
+
+
+def sparse_attention_lse(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet,
+                         softmax_scale: float | None = None) -> torch.Tensor:
+    """The ``lse`` of :func:`sparse_attention` without its output: per row and head the natural-log sum of
+    ``exp(softmax_scale * <q[t, h], kv[k]>)`` over the valid keys ``indices[t]``, sink excluded.
+
+    Args: ``q``, ``kv``, ``indices`` and ``softmax_scale`` as :func:`sparse_attention` takes them (out-of-range
+    indices are empty slots, the debug mode raises on them).
+    Returns: (T, H) fp32 (fp64 for fp64 inputs), ``-inf`` for rows without a valid key. Not differentiable: it is
+    computed without autograd (what the indexer loss needs of the window: the teacher's detached mass outside its
+    candidates).
+
+    On SM90 (bf16 / fp16, H a multiple of 64, D in (128, 256, 512)) a Gluon kernel forms the scores alone (the
+    indexer KL teacher's LSE kernel: no P V products, no output written); it agrees with :func:`sparse_attention`'s
+    lse up to fp32 rounding. Elsewhere the attention forward runs and its output is dropped. Tensor indices run as
+    the registered op ``torch.ops.dsv4attn.sparse_attention_lse``; :class:`IndexSet` inputs go to it one chunk of
+    query rows at a time."""
+    _check_q_kv_indices(q, kv, indices)
+    scale = checks.check_scale(softmax_scale, q.shape[2])
+    if checks.values_readable():
+        if isinstance(indices, torch.Tensor):
+            checks.check_index_range("indices", indices, kv.shape[0])
+        checks.check_finite("q", q)
+        checks.check_finite("kv", kv)
+    indices = _in_range(indices, kv.shape[0])
+    impl = "triton" if backend.choose("sparse_attention", q.device) == "triton" else "reference"
+    with torch.no_grad():
+        return run_lse(q.detach(), kv.detach(), indices, scale, impl)
+
+
+def _check_q_kv_indices(q, kv, indices) -> int:
+    """Checks ``q`` (T, H, D), ``kv`` (N, D) and ``indices`` (T, K) or an index set of T rows; returns K."""
+    checks.check_tensor("q", q, dim=3, dtypes=FLOATS)
+    T, H, D = q.shape
+    checks.check_tensor("kv", kv, shape=(None, D), dtypes=(q.dtype,), device=q.device)
+    if isinstance(indices, torch.Tensor):
+        checks.check_tensor("indices", indices, shape=(T, None), dtypes=INDEX_DTYPES, device=q.device)
+        return indices.shape[1]
+    if isinstance(indices, IndexSet):
+        if indices.total_rows != T:
+            raise ValueError(f"indices must cover the {T} rows of q, got an index set of {indices.total_rows} rows")
+        return indices.width
+    raise TypeError(f"indices must be a (T, K) int32 torch.Tensor or an IndexSet, got {type(indices).__name__}")
+
+
+def _in_range(indices, rows: int):
+    """Index safety, in every mode and without a host read: no kernel ever sees a row >= ``rows`` (negative rows
+    are empty slots in all of them)."""
+    if isinstance(indices, torch.Tensor):
+        return checks.mask_out_of_range(indices, rows)
+    return within(indices, rows)
 
 
 def _check_output_rope(output_rope, T: int, D: int, device) -> None:
@@ -119,4 +157,4 @@ try:  # registers the Triton kernel with the backend (used on CUDA); CPU-only in
 except ImportError:
     pass
 
-__all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_naive"]
+__all__ = ["sparse_attention", "sparse_attention_lse", "sparse_attention_reference", "sparse_attention_naive"]

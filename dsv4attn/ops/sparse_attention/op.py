@@ -22,16 +22,17 @@ import torch
 from ... import backend
 from ...rope import apply_rope
 from ..index_sets import Explicit, IndexSet, chunk_rows
-from .reference import reference_backward, reference_forward, sparse_attention_reference
+from .reference import reference_backward, reference_forward, reference_lse, sparse_attention_reference
 
 IMPLS = ("reference", "triton")
-# (supports(q), forward, backward) of the kernels, set by ``triton.py`` when it is imported; None without Triton.
+# (supports(q), forward, backward, lse) of the kernels, set by ``triton.py`` when it is imported; None without
+# Triton.
 _triton: tuple | None = None
 
 
-def register_triton(supports, forward, backward) -> None:
+def register_triton(supports, forward, backward, lse) -> None:
     global _triton
-    _triton = (supports, forward, backward)
+    _triton = (supports, forward, backward, lse)
 
 
 def limit_slots(indices: torch.Tensor, topk_length: Optional[torch.Tensor]) -> torch.Tensor:
@@ -137,6 +138,36 @@ def _backward(ctx, grad_out, _grad_lse):
 sparse_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("dsv4attn::sparse_attention_lse", mutates_args=())
+def sparse_attention_lse_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
+                            impl: str) -> torch.Tensor:
+    """The forward's lse alone, (T, H) fp32 (fp64 for fp64 ``q``), for (T, K) tensor indices, arguments already
+    checked; no gradient (:func:`dsv4attn.ops.sparse_attention.sparse_attention_lse`)."""
+    with backend.exact_math(q.device):
+        kernels = _kernels(q, impl)
+        if kernels is not None:
+            return kernels[3](q, kv, indices, softmax_scale)
+        return reference_lse(q, kv, Explicit(indices), softmax_scale)
+
+
+@sparse_attention_lse_op.register_fake
+def _sparse_attention_lse_fake(q, kv, indices, softmax_scale, impl):
+    return q.new_empty(q.shape[:2], dtype=torch.promote_types(q.dtype, torch.float32))
+
+
+def run_lse(q, kv, indices, scale: float, impl: str) -> torch.Tensor:
+    """:func:`sparse_attention_lse_op` for tensor or :class:`IndexSet` indices (the latter one chunk of query rows
+    at a time, as :func:`run` takes them)."""
+    if isinstance(indices, torch.Tensor):
+        return sparse_attention_lse_op(q, kv, indices, scale, impl)
+    if impl == "reference":                         # chunk by chunk, never materialised
+        with backend.exact_math(q.device):
+            return reference_lse(q, kv, indices, scale)
+    chunks = list(chunk_rows(q.shape[0], indices.width, device=q.device)) or [(0, 0)]
+    parts = [sparse_attention_lse_op(q[s:e], kv, indices.rows(s, e, torch.int32).to(torch.int32), scale, impl)
+             for s, e in chunks]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
 
 def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: bool, impl: str, output_rope=None):
     """The op on backend ``impl`` for tensor or :class:`IndexSet` indices (arguments already checked);
@@ -179,4 +210,5 @@ class _FirstSlots(IndexSet):
         return limit_slots(self.base.rows(start, end, dtype), self.lengths[start:end])
 
 
-__all__ = ["sparse_attention_op", "sparse_attention_backward_op", "limit_slots", "run", "register_triton", "IMPLS"]
+__all__ = ["sparse_attention_op", "sparse_attention_backward_op", "sparse_attention_lse_op", "limit_slots", "run",
+           "run_lse", "register_triton", "IMPLS"]

@@ -73,6 +73,16 @@ def reference_forward(q, kv, index_set: IndexSet, attn_sink, scale: float):
     return out, lse
 
 
+def reference_lse(q, kv, index_set: IndexSet, scale: float):
+    """The lse of :func:`reference_forward` alone (no probabilities or output formed); no autograd."""
+    T, H, D = q.shape
+    cd = _compute_dtype(q)
+    lse = torch.empty(T, H, dtype=cd, device=q.device)
+    for s, e in chunk_rows(T, index_set.width * (H + D), device=q.device):
+        lse[s:e] = torch.logsumexp(_chunk_probs(q[s:e], kv, index_set.rows(s, e), None, scale, cd)[2], dim=-1)
+    return lse
+
+
 def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, scale: float, out=None,
                        delta_grad_out=None):
     """dq (T, H, D) ``q.dtype``, dkv (N, D) ``kv.dtype``, d_sink (H,) ``attn_sink.dtype`` from the saved ``lse``.

@@ -551,6 +551,28 @@ def triton_backward(grad_out, q, kv, idx, attn_sink, out, lse, scale: float, det
     return dq, dkv.to(kv.dtype), d_sink.to(attn_sink.dtype)
 
 
+def triton_lse(q, kv, idx, scale: float) -> torch.Tensor:
+    """The registered lse op on this backend: idx (T, K) int (-1 = empty) -> lse (T, H) fp32. On SM90 the Gluon
+    teacher-LSE kernel (scores only: no P V, no output) where :mod:`dsv4attn.variants` chooses it; otherwise, or
+    where it cannot be built (warned once), the forward kernel's lse with its output dropped."""
+    q, kv = q.contiguous(), kv.contiguous()
+    idx = idx.to(torch.int32).contiguous()
+    T, H, D = q.shape
+    if T == 0 or kv.shape[0] == 0:             # no key anywhere: every row is empty
+        return torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    key = (D, q.dtype)
+    if variants.choose("sparse_attention", "lse", key, q) == "gluon":
+        try:
+            return gluon_hopper.teacher_lse(q, kv, idx, scale)
+        except Exception as exc:
+            if variants.strict():
+                raise
+            variants.note_gluon_build_failure(exc, "sparse_attention", "lse", key,
+                                              "using the forward kernel's lse")
+    sink = torch.zeros(H, dtype=torch.float32, device=q.device)       # lse excludes the sink: any value would do
+    return _sparse_attn_fwd(q, kv, idx, sink, scale)[1]
+
+
 def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet,
                             attn_sink: torch.Tensor, scale: float, *, topk_length: torch.Tensor | None = None,
                             deterministic: bool = False, output_rope=None):
@@ -590,8 +612,14 @@ variants.register(
                      lambda q: gluon_hopper_bwd.check(q), sm90),
     variants.Variant("triton", "sparse-attention backward kernel (_sparse_attn_bwd_rows_kernel)", variants.always,
                      variants.always))
-register_triton(kernel_supports, triton_forward, triton_backward)
+variants.register(
+    "sparse_attention", "lse",
+    variants.Variant("gluon", "teacher LSE kernel (_teacher_lse_gluon: scores only)", lambda q: gluon_hopper.check(q),
+                     sm90),
+    variants.Variant("triton", "sparse-attention forward kernel's lse (its output dropped)", variants.always,
+                     variants.always))
+register_triton(kernel_supports, triton_forward, triton_backward, triton_lse)
 backend.register_kernel("sparse_attention", sparse_attention_triton)
 
-__all__ = ["sparse_attention_triton", "kernel_supports", "triton_forward", "triton_backward", "BwdLayout", "FUSED",
-           "SPLIT"]
+__all__ = ["sparse_attention_triton", "kernel_supports", "triton_forward", "triton_backward", "triton_lse", "BwdLayout",
+           "FUSED", "SPLIT"]
