@@ -14,9 +14,11 @@ warm-up run, reused by the later ones); more than that means the previous case l
 (``--doc-len``; the batch is T / doc documents back to back).
 
 ``--breakdown`` records the arguments of every op call the timed step makes (compressor pooling, indexer top-k,
-sparse attention, indexer KL) and replays each call on its own, forward and forward + backward, median of 3 (the
-upstream gradient is drawn once, outside the timed runs: drawn inside each, a (T, 64, 512) gradient's cost counted
-as the op's).
+sparse attention, indexer KL and its window lse) and replays each call on its own, forward and forward + backward,
+median of 3 (the upstream gradient is drawn once, outside the timed runs: drawn inside each, a (T, 64, 512)
+gradient's cost counted as the op's). In the warm-up the loss selects the attention's top-k itself
+(``indexer_kl(..., select_topk=)``), so its top-k is counted under "indexer KL" and the peers' composite takes no
+indexer top-k there.
 "q-norm + RoPE" is the elementwise pass over the (T, H, D) queries (the output's inverse RoPE runs inside the
 attention). "rest" is the layer's forward + backward minus those ops: the projections, norms, the kv and compressed
 RoPE and the output projection.

@@ -989,20 +989,23 @@ def test_gpu_warmup_stack_of_far_apart_segments(save_g, monkeypatch):
 
 
 @GPU
-@pytest.mark.parametrize("case", ["pack", "chunks", "stack", "triton-teacher"])
+@pytest.mark.parametrize("case", ["pack", "chunks", "stack", "triton-teacher", "teacher-fails-late"])
 def test_gpu_warmup_selects_the_indexer_topk(case, monkeypatch):
     """``select_topk`` over the warm-up's ranges: the loss's top-k equals ``indexer_topk``'s bit for bit (indices
     and scores) and the loss itself is unchanged; on SM90 the top-k comes from the score pass of the student (the
     score kernel runs once per KL chunk, no top-k op of its own). Cases: a ragged pack in one chunk, the same in
-    four chunks of the KL (the top-k op chunks its rows otherwise), a Stack of two far-apart parts, and the Gluon
-    teacher off (the Triton KL kernel forms the student itself: the top-k op selects)."""
+    four chunks of the KL (the top-k op chunks its rows otherwise), a Stack of two far-apart parts, the Gluon
+    teacher off (the Triton KL kernel forms the student itself: the top-k op selects), and the Gluon teacher failing
+    to build at the second of four chunks (after one chunk's selection: the Triton path runs again and the top-k op
+    selects every row)."""
     import dsv4attn
     from dsv4attn.ops.index_sets import Rows, Stack, VisibleCompressed
     from dsv4attn.ops.indexer_loss import triton as klt
 
     inputs = list(flash_inputs(4096, "warmup", seed=4))
-    if case == "chunks":
+    if case in ("chunks", "teacher-fails-late"):
         monkeypatch.setattr(klt, "INDEX_BUDGET", 1024 * inputs[6].width)
+        monkeypatch.setattr(klt, "SELECT_SCRATCH", 2 * 512 * 300)     # the select in pieces of 300 rows
     if case == "stack":
         cu = torch.arange(0, 4097, 256, dtype=torch.int32, device="cuda")
         base = VisibleCompressed(dsv4attn.pack_batch(cu, 4096, 256).compressed(4), 4096)
@@ -1020,6 +1023,26 @@ def test_gpu_warmup_selects_the_indexer_topk(case, monkeypatch):
     calls = []
     real = klt.indexer_triton.indexer_topk_ranges_op
     monkeypatch.setattr(klt.indexer_triton, "indexer_topk_ranges_op", lambda *a, **k: calls.append(1) or real(*a, **k))
+    if case == "teacher-fails-late" and klt._gluon_teacher(q, cand.width):
+        from triton.runtime.errors import PTXASError
+        monkeypatch.setattr(variants, "FAILED", {})
+        monkeypatch.setattr(variants, "_mode", "auto")
+        mass_calls = []
+        real_mass = klt.gluon_hopper.teacher_mass
+
+        def failing_mass(*a, **k):
+            mass_calls.append(1)
+            if len(mass_calls) == 2:
+                raise PTXASError("this Triton cannot build the teacher mass kernel (test)")
+            return real_mass(*a, **k)
+        monkeypatch.setattr(klt.gluon_hopper, "teacher_mass", failing_mass)
+        with pytest.warns(RuntimeWarning, match="could not be built"):
+            kl, idx, scores = klt.indexer_kl_triton(*args, select_topk=512)
+        assert len(mass_calls) == 2 and calls
+        assert torch.equal(idx, want_idx) and torch.equal(scores, want_scores)
+        # The loss is the Triton teacher's from then on (the Gluon kernel is marked as failed): the same bits again.
+        assert torch.equal(kl, klt.indexer_kl_triton(*args))
+        return
     kl, idx, scores = klt.indexer_kl_triton(*args, select_topk=512)
     assert torch.equal(idx, want_idx) and torch.equal(scores, want_scores)
     assert torch.equal(kl, want_kl)

@@ -545,6 +545,8 @@ def test_lse_alone_opcheck_and_compile():
     from dsv4attn.ops.sparse_attention.op import sparse_attention_lse_op
     q, kv, idx, sink, _ = _compile_inputs(25, dtype=torch.float64)
     torch.library.opcheck(sparse_attention_lse_op, (q, kv, idx, 0.3, "reference"))
+    grads = (q.detach().requires_grad_(True), kv.detach().requires_grad_(True))
+    assert not sparse_attention_lse_op(*grads, idx, 0.3, "reference").requires_grad        # not differentiable
     torch._dynamo.reset()
     compiled = torch.compile(lambda a, b: sparse_attention_lse(a, b, idx), fullgraph=True)(q, kv)
     torch.testing.assert_close(compiled, sparse_attention_lse(q, kv, idx), rtol=0, atol=0)

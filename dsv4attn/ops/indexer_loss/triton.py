@@ -113,6 +113,9 @@ SAVE_G_BUDGET = 1 << 30
 PAIRS_MIN_WIDTH = 1024
 # int32 candidate slots materialised per chunk of query rows (the sparse phase at T = 32K, K = 512: one chunk).
 INDEX_BUDGET = 1 << 25
+# int64 keys of the select kernel's scratch held at once when the KL forward selects the warm-up's top-k
+# (``select_topk``): 64 MiB at most, beside the chunk's own (rows, K) buffers.
+SELECT_SCRATCH = 1 << 23
 # The order in which the ops' ``fwd_tiles`` / ``bwd_tiles`` arguments list a config (custom op schemas take no dicts).
 FWD_KEYS = ("BLOCK_N", "BLOCK_HI", "BLOCK_D", "GIVEN_BLOCK_N", "num_warps", "num_stages")
 BWD_KEYS = ("BLOCK_N", "BLOCK_D", "num_warps", "num_stages", "KERNEL")
@@ -569,8 +572,13 @@ class Selection:
         self.done = False
 
     def from_orders(self, orders: torch.Tensor, ranges: StudentRanges, s: int, e: int) -> None:
-        indexer_triton._select(orders, ranges.first, ranges.visible, ranges.table, ranges.shift, self.out[s:e],
-                               self.scores[s:e], indexer_triton.CONFIG)
+        """Rows s .. e - 1 from their (rows, K) orders; in pieces whose select scratch (2 KP int64 keys a row, up to
+        4x the orders at narrow widths) stays within :data:`SELECT_SCRATCH`, beside the KL chunk's own buffers."""
+        step = max(1, SELECT_SCRATCH // (2 * indexer_triton._select_width(self.width)))
+        for a in range(0, e - s, step):
+            b = min(a + step, e - s)
+            indexer_triton._select(orders[a:b], ranges.first[a:b], ranges.visible[a:b], ranges.table, ranges.shift,
+                                   self.out[s + a:s + b], self.scores[s + a:s + b], indexer_triton.CONFIG)
 
     def finish(self, qi, ki, w, ranges: StudentRanges) -> tuple[torch.Tensor, torch.Tensor]:
         """(indices, scores); the top-k op part by part (a Stack's parts, as ``indexer_topk``) unless done."""

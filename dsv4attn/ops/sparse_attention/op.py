@@ -44,8 +44,8 @@ def limit_slots(indices: torch.Tensor, topk_length: Optional[torch.Tensor]) -> t
 
 
 def _kernels(q: torch.Tensor, impl: str):
-    """The kernels' (supports, forward, backward) when ``impl`` is "triton" and they take ``q``; None means: run the
-    reference."""
+    """The kernels' (supports, forward, backward, lse) when ``impl`` is "triton" and they take ``q``; None means: run
+    the reference."""
     return _triton if impl == "triton" and _triton is not None and _triton[0](q) else None
 
 
@@ -153,6 +153,18 @@ def sparse_attention_lse_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Te
 @sparse_attention_lse_op.register_fake
 def _sparse_attention_lse_fake(q, kv, indices, softmax_scale, impl):
     return q.new_empty(q.shape[:2], dtype=torch.promote_types(q.dtype, torch.float32))
+
+
+def _lse_setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(output)
+
+
+def _lse_backward(ctx, _grad_lse):
+    return None, None, None, None, None
+
+
+# Not differentiable (as the attention's lse): inputs that require grad give an output that does not.
+sparse_attention_lse_op.register_autograd(_lse_backward, setup_context=_lse_setup_context)
 
 
 def run_lse(q, kv, indices, scale: float, impl: str) -> torch.Tensor:
