@@ -381,11 +381,10 @@ def test_sparse_attention_lse_takes_the_teacher_kernel(T, H, D, K, N, dtype, mon
 
 
 def test_sparse_attention_lse_build_failure_falls_back_to_the_forward_once(monkeypatch):
-    """A teacher-LSE kernel this Triton cannot build: one warning naming it, then the forward kernel's lse for that
-    D and dtype; other errors propagate."""
+    """A teacher-LSE kernel this Triton cannot build: one warning naming it, then the Triton forward kernel's
+    LSE_ONLY form for that D and dtype; other errors propagate."""
     launched, (q, kv, idx, _sink, scale) = _stub_launches(monkeypatch, AssertionError("forward: Triton only here"))
     monkeypatch.setattr(variants, "_mode", "auto")
-    monkeypatch.setattr(sat, "forward_kernel", lambda q, config=None: "triton")
 
     def broken(*args, **kwargs):
         raise PTXASError("this Triton cannot build the teacher LSE kernel")
@@ -393,7 +392,7 @@ def test_sparse_attention_lse_build_failure_falls_back_to_the_forward_once(monke
     built = r"teacher LSE kernel \(_teacher_lse_gluon: scores only\) could not be built for D=128 torch.bfloat16"
     with pytest.warns(RuntimeWarning, match=built):
         sat.triton_lse(q, kv, idx, scale)
-    assert [k for k, _ in launched] == [sat._sparse_attn_fwd_kernel]
+    assert [(k, c.get("LSE_ONLY")) for k, c in launched] == [(sat._sparse_attn_fwd_kernel, True)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")                     # not tried again, no second warning
         sat.triton_lse(q, kv, idx, scale)

@@ -345,7 +345,8 @@ def _worker() -> None:
         index_sets.CHUNK_BUDGET["cpu"] = saved_budget
     # Every slot empty and a kv with no rows: zeros, -inf lse, zero gradients (the kernel must not read kv).
     empty = _run_public(q[:5], kv[:0], torch.full((5, 3), -1, dtype=torch.int32), sink, g[:5])
-    # The lse alone (sparse_attention_lse, the forward kernel's lse here: no Gluon on the CPU), lazy and chunked.
+    # The lse alone (sparse_attention_lse: the forward kernel's LSE_ONLY form here, no Gluon on the CPU), lazy and
+    # chunked: bit for bit the full forward's lse.
     from dsv4attn.ops import sparse_attention_lse
     index_sets.CHUNK_BUDGET["cpu"] = 7 * lazy.width
     try:

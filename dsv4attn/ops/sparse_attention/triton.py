@@ -124,10 +124,11 @@ def _sparse_attn_fwd_kernel(
     Q, KV, IDX, NEND, SINK, OUT, LSE, COS, SIN,
     H, K, qk_scale_log2, ROPE: tl.constexpr,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
+    BLOCK_DV: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr, LSE_ONLY: tl.constexpr = False,
 ):
     # ROPE > 0: the output's last 2 * ROPE channels are rotated back by -angle (COS / SIN: (T, ROPE) fp32 tables of
-    # the query rows) before the store: the layer's inverse RoPE, fused.
+    # the query rows) before the store: the layer's inverse RoPE, fused. LSE_ONLY (sparse_attention_lse): the scores
+    # and the lse alone, no P V products and no output (launched without value slices: BLOCK_DV = D).
     # Program order: the value slices and head blocks of one row are adjacent, so they hit the same gathered
     # rows in L2; neighbouring rows (which share most of their window) follow.
     NUM_DV: tl.constexpr = D // BLOCK_DV
@@ -174,27 +175,33 @@ def _sparse_attn_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if SHARED_KV:
-            v = kv_tile
-        else:
-            v = tl.load(kv_rows + offs_dv[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + dot(round_to(p, KV, DOT_MODE == 2), v, DOT_MODE)
+        if not LSE_ONLY:
+            if SHARED_KV:
+                v = kv_tile
+            else:
+                v = tl.load(kv_rows + offs_dv[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha[:, None] + dot(round_to(p, KV, DOT_MODE == 2), v, DOT_MODE)
         m_i = m_new
 
-    # Sink in the denominator only: out = acc / (l + 2^(sink*log2e - m)); empty rows (l == 0) give exactly 0.
-    sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0)
-    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    denom = l_i + tl.exp2(sink * 1.4426950408889634 - m_safe)
-    # l != l: a NaN score (NaN in q or kv) reaches out and lse as it does in the reference, not hidden as "no keys".
-    has_keys = (l_i > 0) | (l_i != l_i)
-    out = tl.where(has_keys[:, None], acc / denom[:, None], 0.0)
-    if ROPE > 0:
-        j, rot = rope_pairs(vb * BLOCK_DV, BLOCK_DV, D, ROPE)
-        cos = tl.load(COS + t * ROPE + j, mask=rot, other=1.0)
-        sin = tl.load(SIN + t * ROPE + j, mask=rot, other=0.0)
-        out = rotate_pairs(out, cos[None, :], -sin[None, :], rot[None, :])
-    tl.store(OUT + t * H * D + offs_h[:, None] * D + offs_dv[None, :], round_to(out, OUT, DOT_MODE == 2),
-             mask=h_mask[:, None])
+    if LSE_ONLY:
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        has_keys = (l_i > 0) | (l_i != l_i)
+    else:
+        # Sink in the denominator only: out = acc / (l + 2^(sink*log2e - m)); empty rows (l == 0) give exactly 0.
+        sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0)
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        denom = l_i + tl.exp2(sink * 1.4426950408889634 - m_safe)
+        # l != l: a NaN score (NaN in q or kv) reaches out and lse as it does in the reference, not hidden as "no
+        # keys".
+        has_keys = (l_i > 0) | (l_i != l_i)
+        out = tl.where(has_keys[:, None], acc / denom[:, None], 0.0)
+        if ROPE > 0:
+            j, rot = rope_pairs(vb * BLOCK_DV, BLOCK_DV, D, ROPE)
+            cos = tl.load(COS + t * ROPE + j, mask=rot, other=1.0)
+            sin = tl.load(SIN + t * ROPE + j, mask=rot, other=0.0)
+            out = rotate_pairs(out, cos[None, :], -sin[None, :], rot[None, :])
+        tl.store(OUT + t * H * D + offs_h[:, None] * D + offs_dv[None, :], round_to(out, OUT, DOT_MODE == 2),
+                 mask=h_mask[:, None])
     if vb == 0:
         lse = tl.where(has_keys, (m_safe + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(LSE + t * H + offs_h, lse, mask=h_mask)
@@ -552,9 +559,9 @@ def triton_backward(grad_out, q, kv, idx, attn_sink, out, lse, scale: float, det
 
 
 def triton_lse(q, kv, idx, scale: float) -> torch.Tensor:
-    """The registered lse op on this backend: idx (T, K) int (-1 = empty) -> lse (T, H) fp32. On SM90 the Gluon
-    teacher-LSE kernel (scores only: no P V, no output) where :mod:`dsv4attn.variants` chooses it; otherwise, or
-    where it cannot be built (warned once), the forward kernel's lse with its output dropped."""
+    """The registered lse op on this backend: idx (T, K) int (-1 = empty) -> lse (T, H) fp32, scores only (no P V, no
+    output): on SM90 the Gluon teacher-LSE kernel where :mod:`dsv4attn.variants` chooses it; otherwise, or where it
+    cannot be built (warned once), the Triton forward kernel in its LSE_ONLY form."""
     q, kv = q.contiguous(), kv.contiguous()
     idx = idx.to(torch.int32).contiguous()
     T, H, D = q.shape
@@ -568,9 +575,13 @@ def triton_lse(q, kv, idx, scale: float) -> torch.Tensor:
             if variants.strict():
                 raise
             variants.note_gluon_build_failure(exc, "sparse_attention", "lse", key,
-                                              "using the forward kernel's lse")
-    sink = torch.zeros(H, dtype=torch.float32, device=q.device)       # lse excludes the sink: any value would do
-    return _sparse_attn_fwd(q, kv, idx, sink, scale)[1]
+                                              "using the Triton forward kernel's LSE_ONLY form")
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    cos, sin, pairs = _tables(q, None)
+    # q stands in for the output and the sink, never touched (LSE_ONLY); one program per row and head block.
+    _launch(_sparse_attn_fwd_kernel, lambda grid, meta: grid, q, dict(FWD_CONFIGS[D], BLOCK_DV=D, LSE_ONLY=True),
+            (q, kv, idx, row_ends(idx), q, q, lse, cos, sin, H, idx.shape[1], scale * LOG2E, pairs))
+    return lse
 
 
 def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet,
@@ -616,8 +627,8 @@ variants.register(
     "sparse_attention", "lse",
     variants.Variant("gluon", "teacher LSE kernel (_teacher_lse_gluon: scores only)", lambda q: gluon_hopper.check(q),
                      sm90),
-    variants.Variant("triton", "sparse-attention forward kernel's lse (its output dropped)", variants.always,
-                     variants.always))
+    variants.Variant("triton", "sparse-attention forward kernel, scores and lse only (_sparse_attn_fwd_kernel "
+                     "LSE_ONLY)", variants.always, variants.always))
 register_triton(kernel_supports, triton_forward, triton_backward, triton_lse)
 backend.register_kernel("sparse_attention", sparse_attention_triton)
 
