@@ -620,7 +620,7 @@ def _split_launch(config: dict) -> tuple[dict, dict]:
 
 def _kl_forward(operands, outside_lse, chunks, K: int, scale: float, save_g: bool, config: dict, full: bool = False,
                 mass: torch.Tensor | None = None, scores: torch.Tensor | None = None, gluon_teacher: bool = False,
-                ranges: StudentRanges | None = None, select: "Selection | None" = None):
+                ranges: StudentRanges | None = None, select: Selection | None = None):
     """The forward kernel over ``chunks``, ``(start, end, idx (rows, K) int32, n_end (rows,) int32)`` each;
     ``full``: ``outside_lse`` holds each head's full denominator (see :func:`indexer_kl_triton`); ``mass``: with
     ``full``, the teacher mass (T, K) fp32 formed beforehand; ``scores``: with ``full``, the student logits I(j)
