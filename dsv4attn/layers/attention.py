@@ -327,15 +327,13 @@ class HybridAttention(KeepFp32Params):
         sink mass is computed here, and ``select_topk`` returns (loss, top-k, its scores))."""
         outside_lse = None if full_lse is not None else self._outside_lse(q, kv, window)
         # Under tensor parallelism q holds this rank's heads: head_sum adds the other ranks' teacher mass.
-        kl = indexer_kl(index_q, index_k, index_w, q.detach(), compressed.detach(), candidates, outside_lse,
-                        self.config.softmax_scale, full_lse=full_lse,
-                        head_sum=None if self.tp.world == 1 else self.tp.sum_, student_scores=student_scores,
-                        select_topk=select_topk)
-        chosen = ()
-        if select_topk is not None:
-            kl, *chosen = kl
+        out = indexer_kl(index_q, index_k, index_w, q.detach(), compressed.detach(), candidates, outside_lse,
+                         self.config.softmax_scale, full_lse=full_lse,
+                         head_sum=None if self.tp.world == 1 else self.tp.sum_, student_scores=student_scores,
+                         select_topk=select_topk)
+        kl, *chosen = out if select_topk is not None else (out,)
         loss = self.config.indexer_loss_coeff * kl.sum() / pack.num_real_rows.clamp(min=1).to(kl.dtype)
-        return (loss, *chosen) if select_topk is not None else loss
+        return (loss, *chosen) if chosen else loss
 
     def _check_input(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
         hidden = self.config.hidden_size

@@ -42,9 +42,9 @@ def indexer_kl(index_q: torch.Tensor, index_k: torch.Tensor, index_weights: torc
         select_topk: k > 0 to also take the indexer's top-k over the candidates (the warm-up, whose attention uses
             the top-k while its teacher spans every visible entry): what ``indexer_topk(index_q, index_k,
             index_weights, candidates, k, return_scores=True)`` returns, bit for bit (candidates past ``Nc`` are
-            empty slots here, as everywhere in this op), not differentiable. On SM90
-            over the warm-up's ranges it is selected from the student's scores the loss forms anyway (one pass of
-            the indexer's score kernel instead of two).
+            empty slots here, as everywhere in this op), not differentiable. On SM90 over the warm-up's ranges it
+            is selected from the student's scores the loss forms anyway (one pass of the indexer's score kernel
+            instead of two).
     Returns:
         (T,) fp32 (fp64 for fp64 inputs) KL per row; 0 for rows with an empty S_t (incl. padding rows).
         The layer loss is ``coeff * kl.sum() / number_of_real_rows``. With ``select_topk``: (kl, indices, scores),

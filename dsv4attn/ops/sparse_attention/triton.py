@@ -183,17 +183,13 @@ def _sparse_attn_fwd_kernel(
             acc = acc * alpha[:, None] + dot(round_to(p, KV, DOT_MODE == 2), v, DOT_MODE)
         m_i = m_new
 
-    if LSE_ONLY:
-        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-        has_keys = (l_i > 0) | (l_i != l_i)
-    else:
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    # l != l: a NaN score (NaN in q or kv) reaches out and lse as it does in the reference, not hidden as "no keys".
+    has_keys = (l_i > 0) | (l_i != l_i)
+    if not LSE_ONLY:
         # Sink in the denominator only: out = acc / (l + 2^(sink*log2e - m)); empty rows (l == 0) give exactly 0.
         sink = tl.load(SINK + offs_h, mask=h_mask, other=0.0)
-        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
         denom = l_i + tl.exp2(sink * 1.4426950408889634 - m_safe)
-        # l != l: a NaN score (NaN in q or kv) reaches out and lse as it does in the reference, not hidden as "no
-        # keys".
-        has_keys = (l_i > 0) | (l_i != l_i)
         out = tl.where(has_keys[:, None], acc / denom[:, None], 0.0)
         if ROPE > 0:
             j, rot = rope_pairs(vb * BLOCK_DV, BLOCK_DV, D, ROPE)
