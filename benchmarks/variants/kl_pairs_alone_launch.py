@@ -8,6 +8,11 @@ compaction with a host bound, e.g. ``torch.nonzero_static`` sized by the documen
 
 - ``no_alone_launch``: the pairs' launch only. Wrong where a pair is split (a document starting at an odd row); on
   these inputs (one document, every pair shares its start) the outputs must be bitwise equal to the shipped ones.
+- ``no_dk_reduction`` (wrong d index_k on purpose): the d index_k products formed, their reductions predicated off
+  at run time (a mask the compiler cannot fold). What the reductions themselves cost.
+- ``no_dk`` (wrong d index_k on purpose): no d index_k products or reductions (and no wait for a dx buffer's
+  release, which only they give). What the dq side costs alone: the floor of a split backward whose d index_k is
+  formed by key blocks without reductions (the keys of a range are consecutive rows).
 
 Inputs: the warm-up (one document, every visible entry: row t's slots are entries 0 .. t // 4, K = T / 4), in the
 KL op's chunks of rows (``indexer_loss.triton.INDEX_BUDGET`` slots each). GPU:
@@ -23,6 +28,17 @@ VARIANTS = {
     "no_alone_launch": [
         ("    for a, b in ((row0, row1), (alone, torch.full_like(alone, -1))):\n",
          "    for a, b in ((row0, row1),):\n"),
+    ],
+    "no_dk_reduction": [
+        ("        add_reduced(dk, DKI, gl.where(ok, key, 0).to(gl.int64) * HEAD_DIM_C, ok, 0)\n",
+         "        add_reduced(dk, DKI, gl.where(ok, key, 0).to(gl.int64) * HEAD_DIM_C, ok & (r0 < -1), 0)\n"),
+    ],
+    "no_dk": [
+        ("            mbarrier.wait(dx_free.index(u), (use + 1) & 1, pred=(use >= 1) & (u != W))\n", ""),
+        ("                _pair_dk(b - 1, K, IDX, base0, base1, r0, r1, DKI, dx_smem, qi_all, dx_ready, dx_free, dk_zero,\n"
+         "                         BLOCK_N)\n", "                pass\n"),
+        ("            _pair_dk(nb - 1, K, IDX, base0, base1, r0, r1, DKI, dx_smem, qi_all, dx_ready, dx_free, dk_zero, BLOCK_N)\n",
+         "            pass\n"),
     ],
 }
 
