@@ -10,15 +10,16 @@ run; once measured, the figures go to BENCHMARKS.md and a variant either becomes
 - ``MODULE``: the module to vary, e.g. ``"dsv4attn.ops.sparse_attention.gluon_hopper"`` (the default);
 - ``VARIANTS``: ``{name: [(old, new), ...]}``; each ``old`` must occur exactly once in the module's source;
 - optionally ``KERNEL`` (the jit function to build offline, default ``"_sparse_attn_fwd_gluon"``),
-  ``BUILD_SIGNATURE`` (the types of arguments the variant's kernel adds, e.g. ``{"NUM_ITEMS": "i32"}``) and
+  ``BUILD_SIGNATURE`` (the types of arguments the variant's kernel adds, e.g. ``{"NUM_ITEMS": "i32"}``),
+  ``BUILD_CONSTEXPRS`` (constexprs the offline builds of every row set, e.g. another form of the kernel) and
   ``call(module, inputs)`` / ``inputs(T, H, device)`` for another kernel than the attention forward (the default
   calls ``module.launch_fwd`` on ``benchmarks/sparse_attention.py``'s inputs and returns (out, lse)).
 
 Each variant's source is written to a temporary file and imported as a module of the original's package (its
 relative imports resolve as the original's do), so its jit functions are distinct kernels with their own cache
 entries. ``--build-only`` compiles each variant's kernel for sm_90 without a GPU (as ``tests/ops/test_gluon_builds.py``
-does for the shipped ones) and prints its registers, spills, shared memory and the count of barrier and mbarrier
-instructions in its PTX. On a GPU each variant's outputs are compared with the shipped kernel's (bitwise, or the
+does for the shipped ones) and prints its registers, spills, whether ptxas serialized its wgmma (and why), shared
+memory and the count of barrier and mbarrier instructions in its PTX. On a GPU each variant's outputs are compared with the shipped kernel's (bitwise, or the
 largest difference), then both are timed in alternating rounds (``gpu_timing.paired_ms``), FlashMLA too when given.
 A variant that skips a stage on purpose gives other outputs: the table says so and times it anyway.
 """
@@ -46,7 +47,9 @@ PTX_COUNTS = {"bar.sync": r"\bbar\.sync\b", "barrier.sync": r"\bbarrier\.sync\b"
 
 
 def ptxas_report(ptx: str) -> str:
-    """"registers | spill stores/loads" of ``ptx`` by the ptxas that ships with this Triton (sm_90a)."""
+    """"registers | spill stores/loads | wgmma serialized" of ``ptx`` by the ptxas that ships with this Triton
+    (sm_90a). The last is ptxas's own notice (C7510-C7520: "wgmma.mma_async instructions are serialized due to
+    ..."), with its reason, or "no": a serialized kernel waits on every product, whatever its source pipelines."""
     import subprocess
     import triton
     folder = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -61,9 +64,12 @@ def ptxas_report(ptx: str) -> str:
             if r.returncode == 0:
                 regs = re.search(r"Used (\d+) registers", r.stdout + r.stderr)
                 spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stdout + r.stderr)
+                serial = re.search(r"wgmma\.mma_async instructions are serialized due to (.*?) (?:for|in) the function",
+                                   r.stdout + r.stderr)
                 return (f"{regs.group(1) if regs else '?'} | "
-                        f"{spill.group(1) + '/' + spill.group(2) if spill else '?'}")
-    return "? | ?"
+                        f"{spill.group(1) + '/' + spill.group(2) if spill else '?'} | "
+                        f"{serial.group(1) if serial else 'no'}")
+    return "? | ? | ?"
 
 
 def patched_source(source: str, changes, name: str) -> str:
@@ -104,12 +110,13 @@ def default_call(module, inp):
     return out, lse
 
 
-def build_row(module, kernel_name: str, new_arguments: dict | None = None) -> str:
+def build_row(module, kernel_name: str, new_arguments: dict | None = None, constexprs: dict | None = None) -> str:
     sys.path.insert(0, str(ROOT))
     from tests.ops.test_gluon_builds import compile_sm90, gluon_kernels
     shipped = {fn.__name__: (sig, consts) for _, fn, sig, consts in gluon_kernels()}
     fn = getattr(module, kernel_name)
-    signature, constexprs = shipped[kernel_name]
+    signature, shipped_constexprs = shipped[kernel_name]
+    constexprs = dict(shipped_constexprs, **(constexprs or {}))
     if new_arguments:       # in the kernel's argument order (its source's names)
         signature = dict(signature, **new_arguments)
         signature = {name: signature[name] for name in fn.arg_names if name in signature}
@@ -147,12 +154,16 @@ def main() -> None:
     if args.build_only:
         import triton
         print(f"{module_name}.{kernel_name}, sm_90 offline, Triton {triton.__version__}")
-        print("| variant | registers | spill stores/loads (bytes) | shared bytes | " + " | ".join(PTX_COUNTS) + " |")
-        print("|---" * (4 + len(PTX_COUNTS)) + "|")
+        forced = spec.get("BUILD_CONSTEXPRS")
+        if forced:
+            print(f"constexprs set for every row: {forced}")
+        print("| variant | registers | spill stores/loads (bytes) | wgmma serialized | shared bytes | "
+              + " | ".join(PTX_COUNTS) + " |")
+        print("|---" * (5 + len(PTX_COUNTS)) + "|")
         for name, module in [("shipped", shipped)] + list(variants.items()):
             try:
                 extra = spec.get("BUILD_SIGNATURE") if module is not shipped else None
-                print(f"| {name} " + build_row(module, kernel_name, extra), flush=True)
+                print(f"| {name} " + build_row(module, kernel_name, extra, forced), flush=True)
             except Exception as exc:               # one variant's failure does not stop the others
                 print(f"| {name} | build failed: {type(exc).__name__}: {str(exc)[-300:]} |", flush=True)
         return

@@ -1,0 +1,54 @@
+"""The deterministic Gluon backward (``_bwd_dkv`` with ``DETERMINISTIC``): what its dKV stores cost.
+
+Why: offline, ptxas (sm_90a) reports for the deterministic form "wgmma.mma_async instructions are serialized due to
+insufficient register resources" (C7512) and 168 bytes of spills (Triton 3.6.0); the default form has neither
+(44 bytes). Built offline (``--build-only``, Triton 3.6.0), the stores are what does it: without them (below) 44
+bytes and no serialization; the forms tried all stay serialized: int32 offsets from a per-program base pointer (172
+bytes), no idx mask, row pointers, one chunk's products in flight instead of two, CHUNK 32 (104), REGS (240, 24)
+(280), the reduction layout's 16-byte stores (340); a store through a blocked layout (shared-memory conversion) is
+not serialized (164 bytes) but needs 245824 bytes of shared memory, more than an SM has (232448).
+
+- ``no_store`` (wrong dkv on purpose): the chunks' products formed, nothing stored. The time it saves is what the
+  serialized products and the stores cost together: the most any store form can win.
+
+GPU: ``python benchmarks/kernel_variants.py benchmarks/variants/bwd_deterministic_stores.py --T 32768 8192 --H 64``
+(the deterministic backward, ``triton._sparse_attn_bwd(..., deterministic=True)``, at K = 640). Offline: ``...
+--build-only`` (builds the deterministic form: ``BUILD_CONSTEXPRS``).
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+MODULE = "dsv4attn.ops.sparse_attention.gluon_hopper_bwd"
+KERNEL = "_sparse_attn_bwd_gluon"
+
+_STORE_OLD = "                    gl.store(DKV + rows[:, None] + cols[None, :], acc, mask=valid[:, None])\n"
+
+VARIANTS = {"no_store": [(_STORE_OLD, "                    pass\n")]}
+# The offline build compiles the deterministic form (the shipped kernels' build table lists the default one first).
+BUILD_CONSTEXPRS = {"DETERMINISTIC": True}
+
+
+def inputs(T, H, device):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from sparse_attention import D, make_inputs
+    q, kv, idx, sink, _ = make_inputs(T, device, heads=H)
+    gen = torch.Generator(device=device).manual_seed(1)
+    do = torch.randn(q.shape, device=device, generator=gen).to(q.dtype)
+    return dict(q=q, kv=kv, idx=idx, sink=sink.float(), do=do, scale=D ** -0.5)
+
+
+def call(module, inp):
+    """The deterministic backward (``triton._sparse_attn_bwd``) with ``module`` as its Gluon kernel: (dq, dkv,
+    d_sink)."""
+    from dsv4attn.ops.sparse_attention import triton as sat
+    saved = sat.gluon_hopper_bwd
+    sat.gluon_hopper_bwd = module
+    try:
+        if "out" not in inp:
+            inp["out"], inp["lse"] = sat._sparse_attn_fwd(inp["q"], inp["kv"], inp["idx"], inp["sink"], inp["scale"])
+        return sat._sparse_attn_bwd(inp["q"], inp["kv"], inp["idx"], inp["sink"], inp["out"], inp["lse"], inp["do"],
+                                    inp["scale"], deterministic=True)
+    finally:
+        sat.gluon_hopper_bwd = saved
