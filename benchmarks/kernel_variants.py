@@ -48,28 +48,14 @@ PTX_COUNTS = {"bar.sync": r"\bbar\.sync\b", "barrier.sync": r"\bbarrier\.sync\b"
 
 def ptxas_report(ptx: str) -> str:
     """"registers | spill stores/loads | wgmma serialized" of ``ptx`` by the ptxas that ships with this Triton
-    (sm_90a). The last is ptxas's own notice (C7510-C7520: "wgmma.mma_async instructions are serialized due to
-    ..."), with its reason, or "no": a serialized kernel waits on every product, whatever its source pipelines."""
-    import subprocess
-    import triton
-    folder = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        for exe in ("ptxas-blackwell", "ptxas"):           # the one that reads this PTX version
-            if not (folder / exe).exists():
-                continue
-            r = subprocess.run([str(folder / exe), "--gpu-name", "sm_90a", "-v", str(src), "-o",
-                                str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
-            if r.returncode == 0:
-                regs = re.search(r"Used (\d+) registers", r.stdout + r.stderr)
-                spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stdout + r.stderr)
-                serial = re.search(r"wgmma\.mma_async instructions are serialized due to (.*?) (?:for|in) the function",
-                                   r.stdout + r.stderr)
-                return (f"{regs.group(1) if regs else '?'} | "
-                        f"{spill.group(1) + '/' + spill.group(2) if spill else '?'} | "
-                        f"{serial.group(1) if serial else 'no'}")
-    return "? | ? | ?"
+    (sm_90a; ``tests.ops.test_gluon_builds.ptxas_info``): the last is ptxas's reason for serializing the kernel's
+    wgmma, or "no"."""
+    sys.path.insert(0, str(ROOT))
+    from tests.ops.test_gluon_builds import ptxas_info
+    info = ptxas_info(ptx)
+    if info is None:
+        return "? | ? | ?"
+    return f"{info['registers']} | {info['spill_stores']}/{info['spill_loads']} | {info['serialized'] or 'no'}"
 
 
 def patched_source(source: str, changes, name: str) -> str:
