@@ -10,6 +10,10 @@ not serialized (164 bytes) but needs 245824 bytes of shared memory, more than an
 
 - ``no_store`` (wrong dkv on purpose): the chunks' products formed, nothing stored. The time it saves is what the
   serialized products and the stores cost together: the most any store form can win.
+- ``reduced_into_zeroed``: the default form's 16-byte reductions (``add_reduced``) into the per-slot buffer, which
+  the launcher zeroes before each chunk: one writer per element, so the reduction stores the value exactly and the
+  result stays repeatable (dq and dkv must be bitwise the shipped form's: the same values, summed in the same
+  order). The memset costs ~0.16 ms per 0.5 GiB chunk at 32K (80 chunks).
 
 GPU: ``python benchmarks/kernel_variants.py benchmarks/variants/bwd_deterministic_stores.py --T 32768 8192 --H 64``
 (the deterministic backward, ``triton._sparse_attn_bwd(..., deterministic=True)``, at K = 640). Offline: ``...
@@ -25,7 +29,36 @@ KERNEL = "_sparse_attn_bwd_gluon"
 
 _STORE_OLD = "                    gl.store(DKV + rows[:, None] + cols[None, :], acc, mask=valid[:, None])\n"
 
-VARIANTS = {"no_store": [(_STORE_OLD, "                    pass\n")]}
+# reduced_into_zeroed: the default form's 16-byte reductions (add_reduced) into the per-slot buffer, zeroed per
+# chunk by the launcher; each element has one writer, so 0 + x = x: exact and repeatable. The buffer's columns come
+# permuted as the default's dKV accumulator's: the segment sums go into a zeroed accumulator, unpermuted at the end.
+_ROWS_OLD = ("                n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, c_layout))\n"
+             "                idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)\n"
+             "                valid = idx >= 0\n"
+             "                rows = (row_base_out + n).to(gl.int64) * D\n")
+_ROWS_NEW = ("                n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, red_layout))\n"
+             "                idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)\n"
+             "                valid = idx >= 0\n"
+             "                rows = (row_base_out + n).to(gl.int64) * D\n")
+_LAUNCH_OLD = """    buf = torch.empty(num_hb * step * K * D, dtype=torch.float32, device=q.device)     # columns in natural order
+    for s in range(0, T, step):
+        e = min(s + step, T)
+        rows(s, e, buf, True)
+        add_rows_by_key(dkv, idx[s:e], buf, num_hb)"""
+_LAUNCH_NEW = """    buf = torch.empty(num_hb * step * K * D, dtype=torch.float32, device=q.device)
+    acc = torch.zeros_like(dkv)
+    for s in range(0, T, step):
+        e = min(s + step, T)
+        buf.zero_()
+        rows(s, e, buf, True)
+        add_rows_by_key(acc, idx[s:e], buf, num_hb)
+    add_unpermuted(dkv, acc)"""
+
+VARIANTS = {
+    "no_store": [(_STORE_OLD, "                    pass\n")],
+    "reduced_into_zeroed": [(_ROWS_OLD, _ROWS_NEW), (_STORE_OLD, "                    add_reduced(acc, DKV, rows, valid, c * CHUNK)\n"),
+                            (_LAUNCH_OLD, _LAUNCH_NEW)],
+}
 # The offline build compiles the deterministic form (the shipped kernels' build table lists the default one first).
 BUILD_CONSTEXPRS = {"DETERMINISTIC": True}
 
