@@ -14,6 +14,9 @@ not serialized (164 bytes) but needs 245824 bytes of shared memory, more than an
   the launcher zeroes before each chunk: one writer per element, so the reduction stores the value exactly and the
   result stays repeatable (dq and dkv must be bitwise the shipped form's: the same values, summed in the same
   order). The memset costs ~0.16 ms per 0.5 GiB chunk at 32K (80 chunks).
+- ``zero_then_reduce``: the same reductions without the memset: each thread first stores zeros at exactly the
+  addresses its own reductions add to (add_reduced's layout and offsets), at the start of each tile, before its
+  products. Relies on one thread's store and later reduction to one address landing in that order.
 
 GPU: ``python benchmarks/kernel_variants.py benchmarks/variants/bwd_deterministic_stores.py --T 32768 8192 --H 64``
 (the deterministic backward, ``triton._sparse_attn_bwd(..., deterministic=True)``, at K = 640). Offline: ``...
@@ -54,8 +57,19 @@ _LAUNCH_NEW = """    buf = torch.empty(num_hb * step * K * D, dtype=torch.float3
         add_rows_by_key(acc, idx[s:e], buf, num_hb)
     add_unpermuted(dkv, acc)"""
 
+# zero_then_reduce: no memset; each thread first stores zeros at exactly the addresses its own reductions then add
+# to (the same layout and offsets as add_reduced's), so the zero lands before the add (one thread, one address).
+_ZERO = ("                for c0 in gl.static_range(CHUNKS):\n"
+         "                    zc = c0 * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, red_layout))\n"
+         "                    gl.store(DKV + rows[:, None] + zc[None, :],\n"
+         "                             gl.zeros([BLOCK_N, CHUNK], gl.float32, layout=red_layout), mask=valid[:, None])\n")
+_LAUNCH_NO_MEMSET = _LAUNCH_NEW.replace("        buf.zero_()\n", "")
+
 VARIANTS = {
     "no_store": [(_STORE_OLD, "                    pass\n")],
+    "zero_then_reduce": [(_ROWS_OLD, _ROWS_NEW + _ZERO),
+                         (_STORE_OLD, "                    add_reduced(acc, DKV, rows, valid, c * CHUNK)\n"),
+                         (_LAUNCH_OLD, _LAUNCH_NO_MEMSET)],
     "reduced_into_zeroed": [(_ROWS_OLD, _ROWS_NEW), (_STORE_OLD, "                    add_reduced(acc, DKV, rows, valid, c * CHUNK)\n"),
                             (_LAUNCH_OLD, _LAUNCH_NEW)],
 }
