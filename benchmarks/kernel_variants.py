@@ -42,7 +42,8 @@ PTX_COUNTS = {"bar.sync": r"\bbar\.sync\b", "barrier.sync": r"\bbarrier\.sync\b"
               "mbarrier.arrive": r"(?<!cp\.async\.)\bmbarrier\.arrive\b",
               "cp.async.mbarrier.arrive": r"cp\.async\.mbarrier\.arrive\b",
               "mbarrier.try_wait": r"mbarrier\.try_wait\b",
-              "wgmma.mma_async": r"wgmma\.mma_async\b", "cp.async.cg": r"cp\.async\.cg\b",
+              "wgmma.mma_async": r"wgmma\.mma_async\b", "wgmma.wait_group": r"wgmma\.wait_group\b",
+              "cp.async.cg": r"cp\.async\.cg\b",
               "cp.async.bulk.prefetch": r"cp\.async\.bulk\.prefetch\b"}
 
 
