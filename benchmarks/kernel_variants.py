@@ -19,9 +19,10 @@ Each variant's source is written to a temporary file and imported as a module of
 relative imports resolve as the original's do), so its jit functions are distinct kernels with their own cache
 entries. ``--build-only`` compiles each variant's kernel for sm_90 without a GPU (as ``tests/ops/test_gluon_builds.py``
 does for the shipped ones) and prints its registers, spills, whether ptxas serialized its wgmma (and why), shared
-memory and the count of barrier and mbarrier instructions in its PTX. On a GPU each variant's outputs are compared with the shipped kernel's (bitwise, or the
-largest difference), then both are timed in alternating rounds (``gpu_timing.paired_ms``), FlashMLA too when given.
-A variant that skips a stage on purpose gives other outputs: the table says so and times it anyway.
+memory and the count of barrier, mbarrier and wgmma instructions in its PTX. On a GPU each variant's outputs are
+compared with the shipped kernel's (bitwise, or the largest difference), then both are timed in alternating rounds
+(``gpu_timing.paired_ms``), FlashMLA too when given. A variant that skips a stage on purpose gives other outputs: the
+table says so and times it anyway.
 """
 from __future__ import annotations
 

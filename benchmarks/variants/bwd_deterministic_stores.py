@@ -43,8 +43,8 @@ _ROWS_NEW = ("                n = b * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.
              "                idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)\n"
              "                valid = idx >= 0\n"
              "                rows = (row_base_out + n).to(gl.int64) * D\n")
-_LAUNCH_OLD = """    buf = torch.empty(num_hb * step * K * D, dtype=torch.float32, device=q.device)     # columns in natural order
-    for s in range(0, T, step):
+_LAUNCH_OLD = ("    buf = torch.empty(num_hb * step * K * D, dtype=torch.float32, device=q.device)"
+               "     # columns in natural order\n") + """    for s in range(0, T, step):
         e = min(s + step, T)
         rows(s, e, buf, True)
         add_rows_by_key(dkv, idx[s:e], buf, num_hb)"""
@@ -62,16 +62,15 @@ _LAUNCH_NEW = """    buf = torch.empty(num_hb * step * K * D, dtype=torch.float3
 _ZERO = ("                for c0 in gl.static_range(CHUNKS):\n"
          "                    zc = c0 * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, red_layout))\n"
          "                    gl.store(DKV + rows[:, None] + zc[None, :],\n"
-         "                             gl.zeros([BLOCK_N, CHUNK], gl.float32, layout=red_layout), mask=valid[:, None])\n")
+         "                             gl.zeros([BLOCK_N, CHUNK], gl.float32, layout=red_layout),\n"
+         "                             mask=valid[:, None])\n")
+_REDUCE = "                    add_reduced(acc, DKV, rows, valid, c * CHUNK)\n"
 _LAUNCH_NO_MEMSET = _LAUNCH_NEW.replace("        buf.zero_()\n", "")
 
 VARIANTS = {
     "no_store": [(_STORE_OLD, "                    pass\n")],
-    "zero_then_reduce": [(_ROWS_OLD, _ROWS_NEW + _ZERO),
-                         (_STORE_OLD, "                    add_reduced(acc, DKV, rows, valid, c * CHUNK)\n"),
-                         (_LAUNCH_OLD, _LAUNCH_NO_MEMSET)],
-    "reduced_into_zeroed": [(_ROWS_OLD, _ROWS_NEW), (_STORE_OLD, "                    add_reduced(acc, DKV, rows, valid, c * CHUNK)\n"),
-                            (_LAUNCH_OLD, _LAUNCH_NEW)],
+    "zero_then_reduce": [(_ROWS_OLD, _ROWS_NEW + _ZERO), (_STORE_OLD, _REDUCE), (_LAUNCH_OLD, _LAUNCH_NO_MEMSET)],
+    "reduced_into_zeroed": [(_ROWS_OLD, _ROWS_NEW), (_STORE_OLD, _REDUCE), (_LAUNCH_OLD, _LAUNCH_NEW)],
 }
 # The offline build compiles the deterministic form (the shipped kernels' build table lists the default one first).
 BUILD_CONSTEXPRS = {"DETERMINISTIC": True}

@@ -133,7 +133,8 @@ def ptxas_info(ptx: str) -> dict | None:
             log = r.stdout + r.stderr
             regs = re.search(r"Used (\d+) registers", log)
             spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-            serial = re.search(r"wgmma\.mma_async instructions are serialized due to (.*?) (?:for|in) the function", log)
+            serial = re.search(r"wgmma\.mma_async instructions are serialized due to (.*?) (?:for|in) the function",
+                               log)
             return dict(registers=int(regs.group(1)) if regs else None,
                         spill_stores=int(spill.group(1)) if spill else None,
                         spill_loads=int(spill.group(2)) if spill else None,
