@@ -11,9 +11,10 @@ row's K indices are walked in blocks of ``BLOCK_N`` gathered kv rows. Scores nee
 accumulated over ``BLOCK_DK`` column chunks; the value / gradient columns are split over ``D // BLOCK_DV`` programs so
 the fp32 accumulator stays ``BLOCK_H x BLOCK_DV`` (a 64 x 512 fp32 accumulator does not fit in registers). The
 price is that each value slice recomputes the scores. At D = 512 one program owns all columns instead (FWD_CONFIGS).
-On SM90 GPUs the forward runs the warp-specialised Gluon kernel of :mod:`.gluon_hopper` by default (asynchronous
-row gathers by a producer warpgroup; the Triton pipeliner leaves these gathers synchronous); :mod:`dsv4attn.variants`
-(or a config's ``KERNEL`` key) chooses.
+On SM90 GPUs the forward runs the warp-specialised Gluon kernel of :mod:`.gluon_hopper` by default (a producer
+warpgroup gathers the rows while two consumers overlap one block's softmax with another's products; here the
+pipeliner makes the gather asynchronous too, but each program's blocks run one after another);
+:mod:`dsv4attn.variants` (or a config's ``KERNEL`` key) chooses.
 
 Backward: first an elementwise pre-pass (:func:`_delta_from_out`) forms Delta = rowsum(dO * out) in fp32 from the
 saved output (in its own dtype), as FlashAttention and cuDNN do; d_sink follows from Delta in PyTorch. Then, on SM90
