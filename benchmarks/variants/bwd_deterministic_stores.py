@@ -13,7 +13,8 @@ not serialized (164 bytes) but needs 245824 bytes of shared memory, more than an
 - ``reduced_into_zeroed``: the default form's 16-byte reductions (``add_reduced``) into the per-slot buffer, which
   the launcher zeroes before each chunk: one writer per element, so the reduction stores the value exactly and the
   result stays repeatable (dq and dkv must be bitwise the shipped form's: the same values, summed in the same
-  order). The memset costs ~0.16 ms per 0.5 GiB chunk at 32K (80 chunks).
+  order; `red.add.f32` flushes subnormal values to zero, which the plain stores keep). The memset costs ~0.16 ms
+  per 0.5 GiB chunk at 32K (81 chunks).
 - ``zero_then_reduce``: the same reductions without the memset: each thread first stores zeros at exactly the
   addresses its own reductions add to (add_reduced's layout and offsets), at the start of each tile, before its
   products. Relies on one thread's store and later reduction to one address landing in that order.

@@ -5,9 +5,9 @@ Why: the pair backward at 32K spends 14.0 of its 20.3 ms (H100, Triton 3.6.0) in
 rows with their epilogues (BENCHMARKS.md, thirtieth session): each consumer's tile is x (wait) -> ReLU / weights ->
 dx to shared memory -> d index_q (wait) -> release -> [every other tile] d index_k of the tile before (wait) -> its
 reductions. Here d index_q is issued without a wait; the d index_k product (where the tile has one) follows it in the
-queue and its own wait covers both; the ring stage is released after that wait instead of before the d index_k
-product (the producer runs up to four stages ahead). d index_q is not in flight across the loop's back edge, which is
-what made ptxas serialize the score kernel's wgmma in the seventh session.
+queue and its own wait covers both; the ring stage is released after the whole d index_k step (its product and
+reductions) instead of before it (the producer runs up to four stages ahead). d index_q is not in flight across the
+loop's back edge, which is what made ptxas serialize the score kernel's wgmma in the seventh session.
 
 - ``async_dq``: as above. Outputs must be bitwise the shipped kernel's (the same products in the same order per
   accumulator; d index_k's fp32 atomics aside).

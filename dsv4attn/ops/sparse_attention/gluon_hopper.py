@@ -7,11 +7,12 @@ fp32 -> ``out (T, H, D)``, ``lse (T, H)`` fp32 (natural log, sink excluded; -inf
 a valid slot).
 
 Why not Triton: one Triton program runs its blocks in order, scores -> softmax -> P V, with the tensor cores idle
-during each block's softmax. Its pipeliner does make the row gather asynchronous (ttgir of the D = 512 forward for
-sm_80 and sm_90 on Triton 3.6.0, 3.7.1 and 3.9.0: ``async_copy_global_to_local`` of the kv tile two stages deep, the
-next block's slot indices loaded one iteration ahead); what it cannot do is split a program into a producer and
-consumers that overlap one block's softmax with another's products. At T = 32K, H = 64, K = 640 on an H100 the Triton
-forward takes 10.3 ms, this kernel 6.4 (BENCHMARKS.md, twenty-seventh and thirtieth sessions).
+during each block's softmax. Its pipeliner does make the row gather asynchronous (ttgir of the D = 512 forward on
+Triton 3.6.0, 3.7.1 and 3.9.0: ``async_copy_global_to_local`` of the kv tile, the next block's slot indices loaded
+one iteration ahead; two buffers on sm_90, one on sm_80, where the next copy only starts at the end of an
+iteration); what it cannot do is split a program into a producer and consumers that overlap one block's softmax with
+another's products. At T = 32K, H = 64, K = 640 on an H100 the Triton forward takes 10.3 ms (BENCHMARKS.md, the
+thirtieth session's LSE_ONLY note), this kernel 6.4 (the twenty-seventh session's release table).
 
 Each row's blocks end at its last valid slot (``index_sets.row_ends``, computed by the launcher): the empty slots of
 a row's last part (a document's early rows in the top-k, the visible compressed entries of a dense or HCA row) trail
