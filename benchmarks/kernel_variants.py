@@ -11,7 +11,8 @@ run; once measured, the figures go to BENCHMARKS.md and a variant either becomes
 - ``VARIANTS``: ``{name: [(old, new), ...]}``; each ``old`` must occur exactly once in the module's source;
 - optionally ``KERNEL`` (the jit function to build offline, default ``"_sparse_attn_fwd_gluon"``),
   ``BUILD_SIGNATURE`` (the types of arguments the variant's kernel adds, e.g. ``{"NUM_ITEMS": "i32"}``),
-  ``BUILD_CONSTEXPRS`` (constexprs the offline builds of every row set, e.g. another form of the kernel) and
+  ``BUILD_CONSTEXPRS`` (constexprs the offline builds of every row set, e.g. another form of the kernel),
+  ``VARIANT_CONSTEXPRS`` (``{name: constexprs}`` for one variant's row, e.g. the REGS its launcher passes) and
   ``call(module, inputs)`` / ``inputs(T, H, device)`` for another kernel than the attention forward (the default
   calls ``module.launch_fwd`` on ``benchmarks/sparse_attention.py``'s inputs and returns (out, lse)).
 
@@ -151,7 +152,8 @@ def main() -> None:
         for name, module in [("shipped", shipped)] + list(variants.items()):
             try:
                 extra = spec.get("BUILD_SIGNATURE") if module is not shipped else None
-                print(f"| {name} " + build_row(module, kernel_name, extra, forced), flush=True)
+                own = dict(forced or {}, **spec.get("VARIANT_CONSTEXPRS", {}).get(name, {}))
+                print(f"| {name} " + build_row(module, kernel_name, extra, own), flush=True)
             except Exception as exc:               # one variant's failure does not stop the others
                 print(f"| {name} | build failed: {type(exc).__name__}: {str(exc)[-300:]} |", flush=True)
         return

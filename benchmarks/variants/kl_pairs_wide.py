@@ -17,10 +17,9 @@ same tile. dw: each consumer sums its owned tiles for both rows; consumer 1 hand
   order; d index_k's fp32 atomics aside); dw differs in fp32 rounding (partial sums of alternate tiles, added at the
   end; the sum over a tile's slots runs over the accumulator's rows instead of its columns).
 
-- ``wide_232``: the same with 232 registers a consumer thread and 24 for the producer (offline, Triton 3.6.0: 72
-  bytes of spills against 148 at the shipped (216, 40); the shipped kernel has none). The build table compiles both
-  rows with the shipped REGS; this row's launch uses (232, 24). Spills at (216, 40): 148 / 160 / 440 bytes on
-  3.6.0 / 3.7.1 / 3.9.0: a first cut, to see whether the wider products pay before tuning its registers.
+- ``wide_232``: the same with 232 registers a consumer thread and 24 for the producer. Spill stores offline on
+  3.6.0 / 3.7.1 / 3.9.0: ``wide`` 148 / 160 / 440 bytes, ``wide_232`` 72 / 84 / 372 (the shipped kernel none): a
+  first cut, to see whether the wider products pay before tuning its registers.
 
 Not measured, a cost this form adds: dw's per-tile sum runs over the accumulator's rows (slots), which span the
 four warps, so each owned tile ends with a cross-warp reduction through shared memory (35 bar.sync against 29).
@@ -174,6 +173,7 @@ _NEW = '''    @gluon.jit
 _REGS_OLD = "CONFIG = dict(STAGES=4, REGS=(216, 40))"
 VARIANTS = {"wide": [(_OLD, _NEW)],
             "wide_232": [(_OLD, _NEW), (_REGS_OLD, "CONFIG = dict(STAGES=4, REGS=(232, 24))")]}
+VARIANT_CONSTEXPRS = {"wide_232": {"REGS": (232, 24)}}        # as its launcher passes them
 
 
 def inputs(T, H, device):
