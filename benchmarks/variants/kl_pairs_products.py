@@ -1,10 +1,23 @@
-"""Indexer KL backward, row pairs (Gluon, SM90; the warm-up): each tile's scores of both rows as one N = 128
-product, d index_k from dx^T in registers.
+"""Indexer KL backward, row pairs (Gluon, SM90; the warm-up): two ways to raise the rate of its products.
 
-Why: the pair backward at 32K spends 14.0 of its 20.3 ms in the x and d index_q products of both rows (~315 TFLOP/s;
-BENCHMARKS.md, thirtieth session). There each consumer forms its own row's x = qi K^T with N = 64 (a 64 x 64 x 128
-product: the narrowest wgmma shape, its shared-memory operand reads per FLOP 1.33x those of N = 128), writes dx to
-shared memory, and the tile's d index_k = [dx0; dx1]^T [qi0; qi1] reads dx back from there as its A operand.
+Why: the pair backward at 32K spends 14.0 of its 20.3 ms (H100, Triton 3.6.0) in the x and d index_q products of
+both rows with their epilogues (BENCHMARKS.md, thirtieth session).
+
+GPU: ``python benchmarks/kernel_variants.py benchmarks/variants/kl_pairs_products.py --T 32768 8192 --H 64`` (run
+the ``wide`` forms with ``--only NAME`` under ``timeout 120``: a new hand-over scheme that may deadlock);
+offline: ``... --build-only`` (registers, spills and whether ptxas serializes the kernel's wgmma).
+
+1. ``async_dq``: each consumer's d index_q product issued asynchronously. Each consumer's tile is x (wait) -> ReLU /
+weights -> dx to shared memory -> d index_q (wait) -> release -> [every other tile] d index_k of the tile before (wait)
+-> its reductions. Here d index_q is issued without a wait; the d index_k product (where the tile has one) follows it in
+the queue and its own wait covers both; the ring stage is released after the whole d index_k step (its product and
+reductions) instead of before it (the producer runs up to four stages ahead). d index_q is not in flight across the
+loop's back edge, which is what made ptxas serialize the score kernel's wgmma in the seventh session.
+
+- ``async_dq``: as above. Outputs must be bitwise the shipped kernel's (the same products in the same order per
+  accumulator; d index_k's fp32 atomics aside).
+
+2. ``wide`` / ``wide_232``: both rows' scores as one N = 128 product per tile.
 
 Here the tile's owner (consumer b % 2) forms x^T = K [qi0; qi1]^T for both rows at once (M = 64 slots, N = 128 =
 both rows' heads), dx^T in registers, stores it once to shared memory for both consumers' d index_q products (each
@@ -23,10 +36,6 @@ same tile. dw: each consumer sums its owned tiles for both rows; consumer 1 hand
 
 Not measured, a cost this form adds: dw's per-tile sum runs over the accumulator's rows (slots), which span the
 four warps, so each owned tile ends with a cross-warp reduction through shared memory (35 bar.sync against 29).
-
-GPU: ``python benchmarks/kernel_variants.py benchmarks/variants/kl_pairs_wide.py --T 32768 8192 --H 64``; offline:
-``... --build-only`` (registers, spills, wgmma serialization: the consumer holds d index_q (64 registers a thread),
-dw for both rows (32), x^T or d index_k (64) and dx^T as the register operand (32)).
 """
 import importlib.util
 from pathlib import Path
@@ -35,6 +44,26 @@ import torch
 
 MODULE = "dsv4attn.ops.indexer_loss.gluon_hopper"
 KERNEL = "_indexer_kl_bwd_pairs_gluon"
+
+_DQ_OLD = """            dq = warpgroup_mma(dx_mine, keys, dq)
+            release(empty.index(stage))
+            # Tile b - 1's owner forms its d index_k only now, after this tile's score and dq: the other consumer's
+            # dx of b - 1 is long written, so neither consumer waits on the other's step of the same tile.
+            if (b >= 1) & ((b - 1) % 2 == W):
+                _pair_dk(b - 1, K, IDX, base0, base1, r0, r1, DKI, dx_smem, qi_all, dx_ready, dx_free, dk_zero,
+                         BLOCK_N)
+"""
+_DQ_NEW = """            dq = warpgroup_mma(dx_mine, keys, dq, is_async=True)
+            if (b >= 1) & ((b - 1) % 2 == W):
+                _pair_dk(b - 1, K, IDX, base0, base1, r0, r1, DKI, dx_smem, qi_all, dx_ready, dx_free, dk_zero,
+                         BLOCK_N)
+            dq = warpgroup_mma_wait(0, deps=[dq])
+            release(empty.index(stage))
+"""
+_IMPORT_OLD = "                            release, sm90, warpgroup_mma)"
+_IMPORT_NEW = "                            release, sm90, warpgroup_mma, warpgroup_mma_wait)"
+
+
 
 _SOURCE = Path(importlib.util.find_spec(MODULE).origin).read_text()
 _START = "    @gluon.jit\n    def _pair_dk("
@@ -171,7 +200,8 @@ _NEW = '''    @gluon.jit
 '''
 
 _REGS_OLD = "CONFIG = dict(STAGES=4, REGS=(216, 40))"
-VARIANTS = {"wide": [(_OLD, _NEW)],
+VARIANTS = {"async_dq": [(_DQ_OLD, _DQ_NEW), (_IMPORT_OLD, _IMPORT_NEW)],
+            "wide": [(_OLD, _NEW)],
             "wide_232": [(_OLD, _NEW), (_REGS_OLD, "CONFIG = dict(STAGES=4, REGS=(232, 24))")]}
 VARIANT_CONSTEXPRS = {"wide_232": {"REGS": (232, 24)}}        # as its launcher passes them
 
