@@ -183,6 +183,35 @@ def test_deterministic_dkv_fp32_equals_atomic_up_to_summation_order(kernel, H, m
     assert (fixed[1] - atomic[1]).abs().max().item() <= 1e-5 * atomic[1].abs().max().item()
 
 
+@pytest.mark.parametrize("H", [64, 128])
+def test_lse_only_triton_form_matches_float64_reference_v4(H, monkeypatch):
+    """``sparse_attention_lse`` through the Triton forward kernel's LSE_ONLY form (the Gluon kernels kept out, as
+    on a non-SM90 GPU): error <= 2x the reference op's own in bf16 (both against float64) + 1e-6 of the largest
+    |lse|; -inf exactly where a row has no valid slot; and within the same bound of the full kernel's lse (equal but
+    for the last bits: the two compiled loops contract the row statistics differently)."""
+    from dsv4attn.ops import sparse_attention_lse
+    from dsv4attn.ops.sparse_attention import triton as sat
+
+    monkeypatch.setattr(variants, "_mode", "triton")
+    launched = []
+    real_launch = sat._launch
+    monkeypatch.setattr(sat, "_launch", lambda kernel, grid, x, meta, *a, **k: launched.append(meta.get("LSE_ONLY"))
+                        or real_launch(kernel, grid, x, meta, *a, **k))
+    q, kv, idx, sink, _, _ = make_inputs(**{**V4, "H": H}, seed=3)
+    scale = V4["D"] ** -0.5
+    got = sparse_attention_lse(q, kv, idx).double()
+    assert launched == [True]
+    full = sat._sparse_attn_fwd(q, kv, idx, sink, scale)[1].double()
+    low = sparse_attention_reference(q, kv, Explicit(idx), sink, scale)[1].double()
+    exact = sparse_attention_reference(q.double(), kv.double(), Explicit(idx), sink.double(), scale)[1]
+    finite = torch.isfinite(exact)
+    assert torch.equal(torch.isfinite(got), finite) and torch.equal(got[~finite], exact[~finite])
+    err_ref = (low - exact)[finite].abs().max().item()
+    bound = 2 * err_ref + 1e-6 * exact[finite].abs().max().item()
+    assert (got - exact)[finite].abs().max().item() <= bound
+    assert (got - full)[finite].abs().max().item() <= bound
+
+
 def test_reference_backend_on_cuda_is_deterministic():
     """The reference scatters dKV with index_put_(accumulate=True) on CUDA (sorted, fixed order), not atomics."""
     backend.set_backend("reference")

@@ -92,7 +92,8 @@ def sparse_attention_lse(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     On SM90 (bf16 / fp16, H a multiple of 64, D in (128, 256, 512)) a Gluon kernel forms the scores alone (the
     indexer KL teacher's LSE kernel: no P V products, no output written); it agrees with :func:`sparse_attention`'s
     lse up to fp32 rounding. Elsewhere the Triton forward kernel runs without its P V products and output (its lse
-    bit for bit the full kernel's); the reference forms the scores alone too. Tensor indices run as
+    the full kernel's to the last bits: bit for bit under the CPU interpreter, on an H100 the same float64 error to
+    the digit); the reference forms the scores alone too. Tensor indices run as
     the registered op ``torch.ops.dsv4attn.sparse_attention_lse``; :class:`IndexSet` inputs go to it one chunk of
     query rows at a time."""
     _check_q_kv_indices(q, kv, indices)
