@@ -7,6 +7,9 @@ epilogue. Which of the two bounds the kernel is not known.
 
 - ``no_epilogue`` (wrong orders on purpose): ``acc += s`` instead of ``acc += w_h * relu(s)`` (one add, not a
   compare, select and fma per element; the weights' loads stay). Its time is the kernel with a third of the epilogue.
+- ``relu_max``: the ReLU as one NaN-keeping maximum (``max.NaN.f32``) instead of a compare and a select: two
+  instructions an element instead of three. Orders must be bitwise (NaN stays NaN; -0.0 may become +0.0, which adds
+  nothing to the sum either way).
 - ``no_product`` (wrong orders on purpose): the product replaced by a copy of the zero tile; the ring, the waits and
   the epilogue stay. Its time is what the kernel costs without its tensor cores.
 - ``three_consumers``: 384 entries a program, a third consumer warpgroup owning the last 128 (the query tile's
@@ -72,7 +75,12 @@ def _three(regs):
             (_REGS_OLD, f"CONFIG = dict(STAGES=4, REGS=({regs}, 24))\n")]
 
 
+_IMPORT_OLD = "from __future__ import annotations\n"
+_IMPORT_NEW = "from __future__ import annotations\nimport triton.language as tl\n"
+
 VARIANTS = {
+    "relu_max": [(_IMPORT_OLD, _IMPORT_NEW),
+                 (_EPI_OLD, "            acc += w_h[:, None] * gl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL)\n")],
     "no_epilogue": [(_EPI_OLD, "            acc += s\n")],
     "no_product": [(_PRODUCT_OLD, "            s = zero + z\n")],
     "three_consumers": _three(160),
