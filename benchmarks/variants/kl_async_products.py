@@ -9,6 +9,10 @@ made ptxas serialize the score kernel's wgmma in the seventh session); `--build-
 
 - ``async_products``: as above. Outputs must be bitwise the shipped kernel's (the same products; d index_k's fp32
   atomics aside).
+- ``no_dk_reduction`` and ``no_dk`` (wrong d index_k on purpose): what the d index_k reductions, and the d index_k
+  product with them, cost. The twenty-sixth session's arithmetic (8.6 GB of reductions in 3.6 ms) says the kernel is
+  bound by them; a sparse-phase row pair (two rows' contributions to a shared slot summed before one reduction)
+  would pay only if they are.
 
 GPU: ``python benchmarks/kernel_variants.py benchmarks/variants/kl_async_products.py --T 32768 8192 --H 64`` (the
 sparse phase's shape: 512 top-k slots a row of the T / 4 compressed entries, one document); offline: ``...
@@ -32,7 +36,19 @@ _NEW = """            dq = warpgroup_mma(dx_smem.index(W + z), keys, dq, is_asyn
 _IMPORT_OLD = "                            release, sm90, warpgroup_mma)"
 _IMPORT_NEW = "                            release, sm90, warpgroup_mma, warpgroup_mma_wait)"
 
-VARIANTS = {"async_products": [(_OLD, _NEW), (_IMPORT_OLD, _IMPORT_NEW)]}
+_RED_OLD = "            ok = idx_red >= 0\n            add_reduced(dk, DKI"
+_DK_OLD = ("            dk = warpgroup_mma(dx_smem.index(W + z).permute((1, 0)), qi_all.index(z), dk_zero, use_acc=False)\n"
+           "            mbarrier.arrive(empty.index(stage))\n"
+           "            ok = idx_red >= 0\n"
+           "            add_reduced(dk, DKI, gl.where(ok, idx_red, 0).to(gl.int64) * HEAD_DIM_C, ok, 0)\n")
+
+VARIANTS = {
+    "async_products": [(_OLD, _NEW), (_IMPORT_OLD, _IMPORT_NEW)],
+    # Bounds (wrong d index_k on purpose): the reductions predicated off at run time (n_end >= 0 always), the
+    # products kept; then neither the d index_k product nor its reductions.
+    "no_dk_reduction": [(_RED_OLD, "            ok = (idx_red >= 0) & (n_end < 0)\n            add_reduced(dk, DKI")],
+    "no_dk": [(_DK_OLD, "            mbarrier.arrive(empty.index(stage))\n")],
+}
 
 
 def inputs(T, H, device):
