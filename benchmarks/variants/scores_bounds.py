@@ -13,7 +13,9 @@ epilogue. Which of the two bounds the kernel is not known.
 - ``no_product`` (wrong orders on purpose): the product replaced by a copy of the zero tile; the ring, the waits and
   the epilogue stay. Its time is what the kernel costs without its tensor cores.
 - ``three_consumers``: 384 entries a program, a third consumer warpgroup owning the last 128 (the query tile's
-  stage released by three arrivals); two products can queue while the third consumer sums. Orders must be bitwise.
+  stage released by three arrivals); two products can queue while the third consumer sums; the orders' column
+  offsets as int32 from per-row pointers (as int64 they spilled at 160 registers). Orders must be bitwise.
+- ``three_relu_max``: both.
 
 GPU: ``python benchmarks/kernel_variants.py benchmarks/variants/scores_bounds.py --T 32768 8192 --H 64`` (one causal
 document, ``first`` 0, ``visible`` t / 4: the CSA layer's top-k at ratio 4); offline: ``... --build-only``.
@@ -68,6 +70,23 @@ _WS_NEW = """            (_score_consumer, (W_, FIRST, VISIBLE, ORDERS, rows_c, 
 _REGS_OLD = "CONFIG = dict(STAGES=4, REGS=(216, 24))\n"
 
 
+# The epilogue's column offsets as int32 from per-row base pointers (int64 per element spilled at 160 registers).
+_STORE_OLD = """        first = gl.load(FIRST + rows, mask=row_ok, other=0).to(gl.int64)
+        visible = gl.load(VISIBLE + rows, mask=row_ok, other=0).to(gl.int64)
+        entries = e0 + W * HALF_E + gl.arange(0, HALF_E, layout=gl.SliceLayout(0, s_layout)).to(gl.int64)
+        j = entries[None, :] - first[:, None]
+        valid = (j >= 0) & (j < visible[:, None]) & row_ok[:, None]
+        gl.store(ORDERS + rows[:, None] * width + j, order, mask=valid)
+"""
+_STORE_NEW = """        first = gl.load(FIRST + rows, mask=row_ok, other=0).to(gl.int64)
+        visible = gl.load(VISIBLE + rows, mask=row_ok, other=0)
+        j0 = (e0 + W * HALF_E - first).to(gl.int32)
+        j = j0[:, None] + gl.arange(0, HALF_E, layout=gl.SliceLayout(0, s_layout))[None, :]
+        valid = (j >= 0) & (j < visible[:, None]) & row_ok[:, None]
+        gl.store((ORDERS + rows * width)[:, None] + j, order, mask=valid)
+"""
+
+
 def _three(regs):
     return [(_CONSTS_OLD, _CONSTS_NEW), (_HALF_OLD, _HALF_NEW), (_GATHER_OLD, _GATHER_NEW), (_ASYNC_OLD, _ASYNC_NEW),
             (_KT_OLD, _KT_NEW), (_CALL_OLD, _CALL_NEW), (_E0_OLD, _E0_NEW),
@@ -78,16 +97,18 @@ def _three(regs):
 _IMPORT_OLD = "from __future__ import annotations\n"
 _IMPORT_NEW = "from __future__ import annotations\nimport triton.language as tl\n"
 
+_RELU_MAX = "            acc += w_h[:, None] * gl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL)\n"
+
 VARIANTS = {
-    "relu_max": [(_IMPORT_OLD, _IMPORT_NEW),
-                 (_EPI_OLD, "            acc += w_h[:, None] * gl.maximum(s, 0.0, propagate_nan=tl.PropagateNan.ALL)\n")],
+    "relu_max": [(_IMPORT_OLD, _IMPORT_NEW), (_EPI_OLD, _RELU_MAX)],
     "no_epilogue": [(_EPI_OLD, "            acc += s\n")],
     "no_product": [(_PRODUCT_OLD, "            s = zero + z\n")],
-    "three_consumers": _three(160),
+    "three_consumers": _three(160) + [(_STORE_OLD, _STORE_NEW)],
+    "three_relu_max": _three(160) + [(_STORE_OLD, _STORE_NEW), (_IMPORT_OLD, _IMPORT_NEW), (_EPI_OLD, _RELU_MAX)],
 }
-# 3 x 128 x 160 + 128 x 24 registers: the most the three consumers can share. ptxas spills 780 bytes (Triton 3.6.0),
-# all of them in the epilogue after the head loop (the orders' int64 addresses), none in the loop (SASS).
-VARIANT_CONSTEXPRS = {"three_consumers": {"REGS": (160, 24)}}
+# 3 x 128 x 160 + 128 x 24 registers: the most the three consumers can share. With the shipped epilogue ptxas spilled
+# 780 bytes (Triton 3.6.0), all after the head loop (SASS: the orders' int64 offsets); int32 offsets: none.
+VARIANT_CONSTEXPRS = {"three_consumers": {"REGS": (160, 24)}, "three_relu_max": {"REGS": (160, 24)}}
 
 
 def inputs(T, H, device):
