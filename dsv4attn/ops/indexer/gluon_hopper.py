@@ -38,7 +38,9 @@ import torch
 from ..gluon_common import (IMPORTED, TensorDescriptor, async_copy, async_load, fence_async_shared, gl, gluon,
                             half_precision, mbarrier, mbarriers, sm90, thread_barrier, tma_load, warpgroup_mma)
 
-BLOCK_T, BLOCK_E, HEADS, HEAD_DIM = 64, 384, 64, 128
+# CONSUMERS wgmma warpgroups of 128 entries each (the partition list of _indexer_orders_gluon names all three).
+CONSUMERS = 3
+BLOCK_T, BLOCK_E, HEADS, HEAD_DIM = 64, 128 * CONSUMERS, 64, 128
 # STAGES: query tiles in flight (16 KiB each; more than 4 measured no faster); REGS: registers per thread of the two
 # worker consumers and of the producer warp: 3 x 128 x 160 + 128 x 24 of the SM's 65536 (the orders' column offsets
 # are int32 from per-row pointers: as int64 they spilled at 160).
@@ -67,7 +69,7 @@ if IMPORTED:
     _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
     BLOCK_T_C = gl.constexpr(BLOCK_T)
     CONSUMER_E = gl.constexpr(128)              # entries per consumer
-    CONSUMERS = gl.constexpr(BLOCK_E // 128)
+    CONSUMERS_C = gl.constexpr(CONSUMERS)
     BLOCK_E_C = gl.constexpr(BLOCK_E)
     HEADS_C = gl.constexpr(HEADS)
     HEAD_DIM_C = gl.constexpr(HEAD_DIM)
@@ -151,12 +153,12 @@ if IMPORTED:
         needed = gl.minimum(gl.maximum(gl.max(ends, 0) - e0, 0), BLOCK_E_C)
         # A block that no row sees (most of the grid's upper triangle) skips its products: nothing is stored there.
         n_heads = gl.where(needed > 0, HEADS_C, 0)
-        k_all = gl.allocate_shared_memory(dtype, [CONSUMERS, CONSUMER_E, HEAD_DIM_C],
+        k_all = gl.allocate_shared_memory(dtype, [CONSUMERS_C, CONSUMER_E, HEAD_DIM_C],
                                           gl.NVMMASharedLayout.get_default_for([CONSUMER_E, HEAD_DIM_C], dtype))
         ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_T_C, HEAD_DIM_C],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_T_C, HEAD_DIM_C], dtype))
         full = mbarriers(STAGES, 1)          # one expect-tx arrival per TMA copy
-        empty = mbarriers(STAGES, CONSUMERS)
+        empty = mbarriers(STAGES, CONSUMERS_C)
         # The keys by this partition, before the split (a 40-register cp.async producer warpgroup spilled on these
         # addresses).
         _gather_keys(K, TABLE, shift, e0, needed, k_all, HAS_TABLE)
