@@ -186,7 +186,7 @@ def main() -> None:
                 if all(torch.equal(a, b) for a, b in zip(got, want)):
                     diff = "bitwise"
                 else:
-                    diff = "max |diff| " + ", ".join(
+                    diff = "max abs diff " + ", ".join(
                         f"{(a.float() - b.float()).abs().nan_to_num(0.0).max().item():.2e}" for a, b in zip(got, want))
                 base_ms, var_ms, _ = paired_ms(lambda: call(shipped, inp), lambda: call(module, inp), args.rounds)
                 peer = "- | -"
