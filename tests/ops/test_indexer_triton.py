@@ -197,6 +197,8 @@ SELECT_CASES = {
     "ties-top1": ("ties", 24, 50, 1, False),
     "ties-top16": ("ties", 24, 70, 16, True),
     "distinct-top-width": ("distinct", 16, 20, 20, False),
+    # Every row at most 2 KP = 64 orders: the kernel takes them all without a threshold (ties, a table).
+    "ties-short-rows-table": ("ties", 24, 40, 30, True),
 }
 SELECT_TILES = dict(SELECT_TILE=16, SELECT_BLOCK=256, SELECT_WARPS=4)
 

@@ -25,6 +25,8 @@ memory is O(T * topk + chunk), not O(T^2)):
    equal scores the lower j), so the result is unique and equals the reference's stable descending sort. KP is K
    rounded up to a power of two (at least 2); ``TILE >= 2 KP``.
 
+   A program whose rows hold at most 2 KP orders each (short documents, a document's early rows) skips a and c:
+   every order fits the scratch, so step b takes them all (tau = the least int32).
    a. One pass: the column maxima of the row's tiles (TILE of them). Each is an element of the row, so at least K
       elements are >= tau, the K-th largest column maximum: the best K are among them. For random scores about
       1.4 K elements are >= tau (TILE = 2 KP; a short row is its own column maxima, so tau is exact there).
@@ -252,16 +254,21 @@ def _topk_select_kernel(ORDERS, FIRST, VISIBLE, TABLE, SCRATCH, OUT, SCORES, row
     n = tl.load(VISIBLE + t, mask=live, other=0).to(tl.int32)
     row = ORDERS + t[:, None] * width
     scratch = SCRATCH + t[:, None] * (2 * KP)
-    columns = _column_max(row, n, TILE)
-    tau = _kth_largest(columns, K, KP, BY_RANK)
-    taken = _compact(row, n, tau, 0, scratch, 2 * KP, TILE, True)
-    refill = taken > 2 * KP
-    if tl.max(refill.to(tl.int32), 0) > 0:
-        tl.debug_barrier()                     # the first pass's scratch stores before the refill's
-        n_refill = tl.where(refill, n, 0)
-        # Fewer than K orders are > v, so these are at most 2 K - 1 <= 2 KP keys, the best K among them.
-        v = _kth_order(row, n_refill, tau, tl.max(columns, 1), K, TILE)
-        taken = tl.where(refill, _compact(row, n_refill, v, K, scratch, 2 * KP, TILE, False), taken)
+    if tl.max(n, 0) <= 2 * KP:
+        # Every row's orders fit the scratch (rows of short documents, early rows): all of them are candidates, so
+        # neither the column maxima nor the sort for tau is needed.
+        taken = _compact(row, n, tl.full(n.shape, INT32_MIN, tl.int32), 0, scratch, 2 * KP, TILE, True)
+    else:
+        columns = _column_max(row, n, TILE)
+        tau = _kth_largest(columns, K, KP, BY_RANK)
+        taken = _compact(row, n, tau, 0, scratch, 2 * KP, TILE, True)
+        refill = taken > 2 * KP
+        if tl.max(refill.to(tl.int32), 0) > 0:
+            tl.debug_barrier()                     # the first pass's scratch stores before the refill's
+            n_refill = tl.where(refill, n, 0)
+            # Fewer than K orders are > v, so these are at most 2 K - 1 <= 2 KP keys, the best K among them.
+            v = _kth_order(row, n_refill, tau, tl.max(columns, 1), K, TILE)
+            taken = tl.where(refill, _compact(row, n_refill, v, K, scratch, 2 * KP, TILE, False), taken)
     tl.debug_barrier()                         # every thread's scratch stores before the loads of _write_rows
     first = tl.load(FIRST + t, mask=live, other=0)
     _write_rows(scratch, taken, first, TABLE, OUT + t[:, None] * K, SCORES + t[:, None] * K, live, shift, K, KP,

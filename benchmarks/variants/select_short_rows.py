@@ -1,0 +1,57 @@
+"""Top-k select kernel (Triton): what skipping the threshold on short rows saves.
+
+The shipped kernel takes every order of a program whose rows hold at most 2 KP orders each (1024 at k = 512: the
+rows of documents up to 4096 tokens at ratio 4, and a long document's first 4096 rows) without the column maxima
+and the sort that finds tau. The variant below is the kernel before that change (the threshold always), so its
+"x shipped" column is below 1 by what the change saves.
+
+- ``threshold_always``: the column maxima and tau for every row, as before. Outputs must be bitwise.
+
+Inputs: random int32 orders (distinct almost surely: about 1.4 K candidates a long row, as random scores give),
+k = 512, T rows; the ``H`` column is the document length (0: one document of T rows), row t seeing (t mod doc + 1) / 4
+entries. GPU: ``python benchmarks/kernel_variants.py benchmarks/variants/select_short_rows.py --T 32768 8192 --H 0
+4096``.
+"""
+import torch
+
+MODULE = "dsv4attn.ops.indexer.triton"
+KERNEL = "_topk_select_kernel"
+
+_SHORT = """    if tl.max(n, 0) <= 2 * KP:
+        # Every row's orders fit the scratch (rows of short documents, early rows): all of them are candidates, so
+        # neither the column maxima nor the sort for tau is needed.
+        taken = _compact(row, n, tl.full(n.shape, INT32_MIN, tl.int32), 0, scratch, 2 * KP, TILE, True)
+    else:
+"""
+_END = "    tl.debug_barrier()                         # every thread's scratch stores before the loads of _write_rows\n"
+
+
+def _threshold_always():
+    """The block from the shortcut to the final barrier, as the kernel had it before: the else branch, dedented."""
+    from pathlib import Path
+    source = (Path(__file__).resolve().parents[2] / "dsv4attn/ops/indexer/triton.py").read_text()
+    block = source[source.index(_SHORT):source.index(_END)]
+    body = block[len(_SHORT):]
+    return [(block, "".join(line[4:] if line.strip() else line for line in body.splitlines(keepends=True)))]
+
+
+VARIANTS = {"threshold_always": _threshold_always()}
+
+
+def inputs(T, H, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    doc = H or T
+    t = torch.arange(T, device=device)
+    width = doc // 4
+    orders = torch.randint(-2**31, 2**31 - 1, (T, width), device=device, generator=gen, dtype=torch.int64).int()
+    visible = ((t % doc + 1) // 4).int()
+    first = ((t // doc) * width).int()
+    return dict(orders=orders, first=first, visible=visible)
+
+
+def call(module, inp):
+    T = inp["orders"].shape[0]
+    out = torch.empty(T, 512, dtype=torch.int32, device=inp["orders"].device)
+    scores = torch.empty(T, 512, dtype=torch.float32, device=out.device)
+    module._select(inp["orders"], inp["first"], inp["visible"], None, 0, out, scores, module.CONFIG)
+    return out, scores
