@@ -1,12 +1,15 @@
-"""Top-k select kernel (Triton): what skipping the threshold on short rows saves.
+"""Top-k select kernel (Triton): what its two short-row paths save.
 
-The shipped kernel takes every order of a program whose rows hold at most 2 KP orders each (1024 at k = 512: the
+The shipped kernel (1) takes every order of a program whose rows hold at most 2 KP orders each (1024 at k = 512: the
 rows of documents up to 4096 tokens at ratio 4, and a long document's first 4096 rows) without the column maxima
-and the sort that finds tau. The variant below is the kernel before that change (the threshold always), so its
+and the sort that finds tau, and (2) where no row of a program has more than KP candidates (rows of at most 512
+entries), sorts KP keys instead of taking the best KP of 2 KP. The variants below undo one change each, so their
 "x shipped" column is below 1 by what the change saves.
 
 - ``threshold_always``: the column maxima and tau for every row, as before (except that the row maximum, which
   the rare refill needs, is now taken beside tau instead of inside the refill). Outputs must be bitwise.
+- ``full_width_sort``: the best KP of 2 KP scratch keys for every row, as before. Outputs must be bitwise.
+- ``both``: the kernel before the two changes.
 
 Inputs: random int32 orders (distinct almost surely: about 1.4 K candidates a long row, as random scores give),
 k = 512, T rows; the ``H`` column is the document length (0: one document of T rows), row t seeing (t mod doc + 1) / 4
@@ -32,7 +35,24 @@ _ALWAYS = """    columns = _column_max(row, n, TILE)
     tau = _kth_largest(columns, K, KP, BY_RANK)
     top = tl.max(columns, 1)
 """
-VARIANTS = {"threshold_always": [(_SHORT, _ALWAYS)]}
+_FEW = """    if tl.max(taken, 0) <= KP:
+        # At most KP keys a row (rows of at most KP candidates: half of a 4096-token document's at k = 512): one
+        # sort of KP keys instead of the best KP of 2 KP, half the network's width.
+        # (Names local to each branch: a compiled Triton branch may not give a variable another shape.)
+        few = tl.arange(0, KP)[None, :]
+        best = _descending(tl.load(scratch + few, mask=few < taken[:, None], other=INT64_MIN, cache_modifier=".cg"),
+                           BY_RANK)
+    else:
+        slots = tl.arange(0, 2 * KP)[None, :]
+        keys = tl.load(scratch + slots, mask=slots < taken[:, None], other=INT64_MIN, cache_modifier=".cg")
+        best = _largest_first(keys, KP, BY_RANK)
+"""
+_WIDE = """    slots = tl.arange(0, 2 * KP)[None, :]
+    keys = tl.load(scratch + slots, mask=slots < taken[:, None], other=INT64_MIN, cache_modifier=".cg")
+    best = _largest_first(keys, KP, BY_RANK)
+"""
+VARIANTS = {"threshold_always": [(_SHORT, _ALWAYS)], "full_width_sort": [(_FEW, _WIDE)],
+            "both": [(_SHORT, _ALWAYS), (_FEW, _WIDE)]}
 
 
 def inputs(T, H, device):

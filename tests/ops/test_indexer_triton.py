@@ -269,13 +269,15 @@ def _run_select(case, gen, config, by_rank=None, device="cpu"):
 
 def _select_checks() -> dict:
     """Every SELECT_CASES case on fresh random inputs (the seed is reported), by pairwise ranks (the interpreter's
-    default) and two through ``tl.topk`` (the GPU's path, slow under the interpreter)."""
+    default) and four through ``tl.topk`` / ``tl.sort`` (the GPU's path, slow under the interpreter)."""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     runs = {name: _run_select(case, gen, SELECT_TILES) for name, case in SELECT_CASES.items()}
-    for name in ("ties-top7", "far-top7-table"):
+    for name in ("ties-top7", "far-top7-table", "ties-short-rows-table"):
         kind, rows, width, topk, table = SELECT_CASES[name]
         runs[name + "-tl.topk"] = _run_select((kind, 16, width, topk, table), gen, SELECT_TILES, by_rank=False)
+    # Every row at most KP = 8 orders: the final sort of KP keys (tl.sort) instead of the best KP of 2 KP.
+    runs["distinct-at-most-kp-tl.topk"] = _run_select(("distinct", 16, 8, 7, False), gen, SELECT_TILES, by_rank=False)
     return {name: dict(seed=seed, equal=bool(torch.equal(got, want)), rows_differ=int((got != want).any(1).sum()))
             for name, (got, want) in runs.items()}
 
@@ -379,7 +381,8 @@ def test_plumbing(interpreted, check):
     assert interpreted["plumbing"][check]
 
 
-@pytest.mark.parametrize("case_id", [*SELECT_CASES, "ties-top7-tl.topk", "far-top7-table-tl.topk"])
+@pytest.mark.parametrize("case_id", [*SELECT_CASES, "ties-top7-tl.topk", "far-top7-table-tl.topk",
+                                     "ties-short-rows-table-tl.topk", "distinct-at-most-kp-tl.topk"])
 def test_select_kernel_matches_stable_sort(interpreted, case_id):
     m = interpreted["select"][case_id]
     assert m["equal"], f"{case_id}: {m['rows_differ']} rows differ from a stable sort (seed {m['seed']})"
@@ -500,6 +503,26 @@ def test_cuda_select_kernel_flash_sizes(kind, topk):
     from dsv4attn.ops.indexer import triton as ix_triton
     got, want = _run_select((kind, 2048, 8192, topk, kind == "far"), gen, ix_triton.CONFIG, device="cuda")
     assert torch.equal(got, want), f"{int((got != want).any(1).sum())} rows differ (seed {seed})"
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["no-table", "table"])
+def test_select_kernel_builds_for_sm90(table):
+    """The select kernel compiled for sm_90 without a GPU, at the Flash top-k's config (KP 512, TILE 1024, one row a
+    program, the GPU's tl.topk / tl.sort path): the interpreter runs it without the compiler's checks (a variable
+    given another shape in each branch of an ``if`` runs there and fails only to compile)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dsv4attn.ops.indexer import triton as ix_triton
+    constexprs = dict(KP=512, TILE=1024, ROWS=1, HAS_TABLE=table, BY_RANK=False)
+    signature = dict(ORDERS="*i32", FIRST="*i32", VISIBLE="*i32", TABLE="*i32", SCRATCH="*i64", OUT="*i32",
+                     SCORES="*fp32", rows_c="i32", width="i32", shift="i32", K="i32",
+                     **{name: "constexpr" for name in constexprs})
+    # FP fusion stated (Triton's default so far): Triton 3.9 warns when it is left to its knob.
+    kernel = triton.compile(ASTSource(ix_triton._topk_select_kernel, signature, constexprs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=ix_triton.CONFIG["SELECT_WARPS"], enable_fp_fusion=True))
+    assert ".entry _topk_select_kernel" in kernel.asm["ptx"]
 
 
 def test_select_tile_must_be_a_power_of_two():

@@ -35,8 +35,9 @@ memory is O(T * topk + chunk), not O(T^2)):
       largest order v by a 16-way search on counts over ``[tau, max]`` (one pass per step, at most 8; none when
       every element >= tau is equal), then the scratch is refilled with the elements > v (fewer than K) and the
       first K equal to v in j order: the best K are among them.
-   d. ``tl.topk`` (bitonic) of the 2 KP scratch keys; decode j, map ``first[t] + j`` through ``table``, add
-      ``shift``; slots past the row's candidates, or of score -inf, become -1.
+   d. ``tl.topk`` (bitonic) of the 2 KP scratch keys (a ``tl.sort`` of KP where no row of the program has more than
+      KP); decode j, map ``first[t] + j`` through ``table``, add ``shift``; slots past the row's candidates, or of
+      score -inf, become -1.
 
    (A 4-pass radix select with ``tl.histogram`` was not faster than ``torch.topk`` on an H200: the leading digit
    is the same for most scores, so the histogram's shared-memory atomics serialise; see BENCHMARKS.md.)
@@ -165,6 +166,16 @@ def _largest_first(keys, KP: tl.constexpr, BY_RANK: tl.constexpr):
 
 
 @triton.jit
+def _descending(keys, BY_RANK: tl.constexpr):
+    """Each row of the int64 ``keys`` sorted in descending order (keys distinct in a row except INT64_MIN padding, as
+    for :func:`_largest_first`)."""
+    if BY_RANK:
+        return _largest_first(keys, keys.shape[1], BY_RANK)
+    else:
+        return tl.sort(keys, 1, descending=True)
+
+
+@triton.jit
 def _count_at_least(row, n, probes, TILE: tl.constexpr):
     """(ROWS, P): how many of each row's orders are >= ``probes[r, p]`` ((ROWS, P) int32)."""
     offs = tl.arange(0, TILE)[None, :]
@@ -226,10 +237,18 @@ def _write_rows(scratch, taken, first, TABLE, out, scores, live, shift, K, KP: t
     """Store the best K of each row's ``taken`` (>= min(K, row length), <= 2 KP) scratch keys to ``out[r, 0:K]``
     (rows where ``live``) as key rows, -1 where empty, and their scores (fp32, decoded from the orders: the exact
     values the score kernel formed) to ``scores[r, 0:K]``, -inf where empty."""
-    slots = tl.arange(0, 2 * KP)[None, :]
     # .cg reads L2, where the other threads' scratch stores are (the caller's barrier orders them before this).
-    keys = tl.load(scratch + slots, mask=slots < taken[:, None], other=INT64_MIN, cache_modifier=".cg")
-    best = _largest_first(keys, KP, BY_RANK)
+    if tl.max(taken, 0) <= KP:
+        # At most KP keys a row (rows of at most KP candidates: half of a 4096-token document's at k = 512): one
+        # sort of KP keys instead of the best KP of 2 KP, half the network's width.
+        # (Names local to each branch: a compiled Triton branch may not give a variable another shape.)
+        few = tl.arange(0, KP)[None, :]
+        best = _descending(tl.load(scratch + few, mask=few < taken[:, None], other=INT64_MIN, cache_modifier=".cg"),
+                           BY_RANK)
+    else:
+        slots = tl.arange(0, 2 * KP)[None, :]
+        keys = tl.load(scratch + slots, mask=slots < taken[:, None], other=INT64_MIN, cache_modifier=".cg")
+        best = _largest_first(keys, KP, BY_RANK)
     order = best >> 32
     j = ((order + 1) << 32) - 1 - best
     rank = tl.arange(0, KP)[None, :]
