@@ -199,6 +199,8 @@ SELECT_CASES = {
     "distinct-top-width": ("distinct", 16, 20, 20, False),
     # Every row at most 2 KP = 64 orders: the kernel takes them all without a threshold (ties, a table).
     "ties-short-rows-table": ("ties", 24, 40, 30, True),
+    # k = 1 (KP = 2) on rows of at most 2 orders: both short-row paths at the smallest width.
+    "distinct-top1-short": ("distinct", 24, 2, 1, False),
 }
 SELECT_TILES = dict(SELECT_TILE=16, SELECT_BLOCK=256, SELECT_WARPS=4)
 
@@ -269,11 +271,11 @@ def _run_select(case, gen, config, by_rank=None, device="cpu"):
 
 def _select_checks() -> dict:
     """Every SELECT_CASES case on fresh random inputs (the seed is reported), by pairwise ranks (the interpreter's
-    default) and four through ``tl.topk`` / ``tl.sort`` (the GPU's path, slow under the interpreter)."""
+    default) and five through ``tl.topk`` / ``tl.sort`` (the GPU's path, slow under the interpreter)."""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     runs = {name: _run_select(case, gen, SELECT_TILES) for name, case in SELECT_CASES.items()}
-    for name in ("ties-top7", "far-top7-table", "ties-short-rows-table"):
+    for name in ("ties-top7", "far-top7-table", "ties-short-rows-table", "distinct-top1-short"):
         kind, rows, width, topk, table = SELECT_CASES[name]
         runs[name + "-tl.topk"] = _run_select((kind, 16, width, topk, table), gen, SELECT_TILES, by_rank=False)
     # Every row at most KP = 8 orders: the final sort of KP keys (tl.sort) instead of the best KP of 2 KP.
@@ -382,7 +384,8 @@ def test_plumbing(interpreted, check):
 
 
 @pytest.mark.parametrize("case_id", [*SELECT_CASES, "ties-top7-tl.topk", "far-top7-table-tl.topk",
-                                     "ties-short-rows-table-tl.topk", "distinct-at-most-kp-tl.topk"])
+                                     "ties-short-rows-table-tl.topk", "distinct-top1-short-tl.topk",
+                                     "distinct-at-most-kp-tl.topk"])
 def test_select_kernel_matches_stable_sort(interpreted, case_id):
     m = interpreted["select"][case_id]
     assert m["equal"], f"{case_id}: {m['rows_differ']} rows differ from a stable sort (seed {m['seed']})"
