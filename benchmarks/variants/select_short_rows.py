@@ -6,8 +6,8 @@ and the sort that finds tau, and (2) where no row of a program has more than KP 
 entries), sorts KP keys instead of taking the best KP of 2 KP. The variants below undo one change each, so their
 "x shipped" column is below 1 by what the change saves.
 
-- ``threshold_always``: the column maxima and tau for every row, as before (except that the row maximum, which
-  the rare refill needs, is now taken beside tau instead of inside the refill). Outputs must be bitwise.
+- ``threshold_always``: the column maxima and tau for every row, as before (except that the rare refill now takes
+  its rows' maxima by one more pass instead of from the kept column maxima). Outputs must be bitwise.
 - ``full_width_sort``: the best KP of 2 KP scratch keys for every row, as before. Outputs must be bitwise.
 - ``both``: the kernel before the two changes.
 
@@ -25,15 +25,10 @@ _SHORT = """    if tl.max(n, 0) <= 2 * KP:
         # Every row's orders fit the scratch (rows of short documents, early rows): all of them are candidates, so
         # neither the column maxima nor the sort for tau is needed (and no refill follows).
         tau = tl.full(n.shape, INT32_MIN, tl.int32)
-        top = tau
     else:
-        columns = _column_max(row, n, TILE)
-        tau = _kth_largest(columns, K, KP, BY_RANK)
-        top = tl.max(columns, 1)
+        tau = _kth_largest(_column_max(row, n, TILE), K, KP, BY_RANK)
 """
-_ALWAYS = """    columns = _column_max(row, n, TILE)
-    tau = _kth_largest(columns, K, KP, BY_RANK)
-    top = tl.max(columns, 1)
+_ALWAYS = """    tau = _kth_largest(_column_max(row, n, TILE), K, KP, BY_RANK)
 """
 _FEW = """    if tl.max(taken, 0) <= KP:
         # At most KP keys a row (rows of at most KP candidates: half of a 4096-token document's at k = 512): one

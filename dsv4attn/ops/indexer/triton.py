@@ -277,17 +277,17 @@ def _topk_select_kernel(ORDERS, FIRST, VISIBLE, TABLE, SCRATCH, OUT, SCORES, row
         # Every row's orders fit the scratch (rows of short documents, early rows): all of them are candidates, so
         # neither the column maxima nor the sort for tau is needed (and no refill follows).
         tau = tl.full(n.shape, INT32_MIN, tl.int32)
-        top = tau
     else:
-        columns = _column_max(row, n, TILE)
-        tau = _kth_largest(columns, K, KP, BY_RANK)
-        top = tl.max(columns, 1)
+        tau = _kth_largest(_column_max(row, n, TILE), K, KP, BY_RANK)
     taken = _compact(row, n, tau, 0, scratch, 2 * KP, TILE, True)
     refill = taken > 2 * KP
     if tl.max(refill.to(tl.int32), 0) > 0:
         tl.debug_barrier()                     # the first pass's scratch stores before the refill's
         n_refill = tl.where(refill, n, 0)
-        # Fewer than K orders are > v, so these are at most 2 K - 1 <= 2 KP keys, the best K among them.
+        # Fewer than K orders are > v, so these are at most 2 K - 1 <= 2 KP keys, the best K among them. (The row
+        # maxima come from one more pass over the refilled rows: rare rows, so the common path keeps no column
+        # maxima past tau.)
+        top = tl.max(_column_max(row, n_refill, TILE), 1)
         v = _kth_order(row, n_refill, tau, top, K, TILE)
         taken = tl.where(refill, _compact(row, n_refill, v, K, scratch, 2 * KP, TILE, False), taken)
     tl.debug_barrier()                         # every thread's scratch stores before the loads of _write_rows
