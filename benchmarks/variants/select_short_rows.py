@@ -16,38 +16,27 @@ k = 512, T rows; the ``H`` column is the document length (0: one document of T r
 entries. GPU: ``python benchmarks/kernel_variants.py benchmarks/variants/select_short_rows.py --T 32768 8192 --H 0
 4096``.
 """
+from pathlib import Path
+
 import torch
 
 MODULE = "dsv4attn.ops.indexer.triton"
 KERNEL = "_topk_select_kernel"
 
-_SHORT = """    if tl.max(n, 0) <= 2 * KP:
-        # Every row's orders fit the scratch (rows of short documents, early rows): all of them are candidates, so
-        # neither the column maxima nor the sort for tau is needed (and no refill follows).
-        tau = tl.full(n.shape, INT32_MIN, tl.int32)
-    else:
-        tau = _kth_largest(_column_max(row, n, TILE), K, KP, BY_RANK)
-"""
-_ALWAYS = """    tau = _kth_largest(_column_max(row, n, TILE), K, KP, BY_RANK)
-"""
-_FEW = """    if tl.max(taken, 0) <= KP:
-        # At most KP keys a row (rows of at most KP candidates: half of a 4096-token document's at k = 512): one
-        # sort of KP keys instead of the best KP of 2 KP, half the network's width.
-        # (Names local to each branch: a compiled Triton branch may not give a variable another shape.)
-        few = tl.arange(0, KP)[None, :]
-        best = _descending(tl.load(scratch + few, mask=few < taken[:, None], other=INT64_MIN, cache_modifier=".cg"),
-                           BY_RANK)
-    else:
-        slots = tl.arange(0, 2 * KP)[None, :]
-        keys = tl.load(scratch + slots, mask=slots < taken[:, None], other=INT64_MIN, cache_modifier=".cg")
-        best = _largest_first(keys, KP, BY_RANK)
-"""
-_WIDE = """    slots = tl.arange(0, 2 * KP)[None, :]
-    keys = tl.load(scratch + slots, mask=slots < taken[:, None], other=INT64_MIN, cache_modifier=".cg")
-    best = _largest_first(keys, KP, BY_RANK)
-"""
-VARIANTS = {"threshold_always": [(_SHORT, _ALWAYS)], "full_width_sort": [(_FEW, _WIDE)],
-            "both": [(_SHORT, _ALWAYS), (_FEW, _WIDE)]}
+
+def _branch_to_else(first_line: str, after: str):
+    """(old, new): the kernel's ``if``/``else`` block that starts at ``first_line`` and ends before ``after``, and its
+    else branch dedented (the code before the change)."""
+    source = (Path(__file__).resolve().parents[2] / "dsv4attn/ops/indexer/triton.py").read_text()
+    block = source[source.index(first_line):source.index(after)]
+    body = block[block.index("    else:\n") + len("    else:\n"):]
+    return block, "".join(line[4:] for line in body.splitlines(keepends=True))
+
+
+_ALWAYS = _branch_to_else("    if tl.max(n, 0) <= 2 * KP:\n", "    taken = _compact(row, n, tau,")
+_WIDE = _branch_to_else("    if tl.max(taken, 0) <= KP:\n", "    order = best >> 32\n")
+
+VARIANTS = {"threshold_always": [_ALWAYS], "full_width_sort": [_WIDE], "both": [_ALWAYS, _WIDE]}
 
 
 def inputs(T, H, device):
