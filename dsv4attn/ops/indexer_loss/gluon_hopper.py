@@ -34,7 +34,7 @@ import torch
 
 from ..gluon_common import (IMPORTED, add_reduced, add_unpermuted, async_copy, async_load, fence_async_shared,
                             gather_rows, gl, gluon, half_precision, loop_zero, mbarrier, mbarriers, reduction_layout,
-                            release, sm90, warpgroup_mma)
+                            release, sm90, warpgroup_mma, warpgroup_mma_wait)
 
 HEADS, HEAD_DIM = 64, 128
 BLOCK_N = 64        # key rows per tile: the d index_k product's M (one warpgroup's wgmma has M = 64)
@@ -258,13 +258,16 @@ if IMPORTED:
             dx_mine.store(dx.to(dx_smem.dtype))
             fence_async_shared()
             mbarrier.arrive(dx_ready.index(u))
-            dq = warpgroup_mma(dx_mine, keys, dq)
-            release(empty.index(stage))
-            # Tile b - 1's owner forms its d index_k only now, after this tile's score and dq: the other consumer's
-            # dx of b - 1 is long written, so neither consumer waits on the other's step of the same tile.
+            # d index_q is issued without a wait: tile b - 1's d index_k (formed by its owner only now, after this
+            # tile's score, so neither consumer waits on the other's step of one tile) queues behind it and its wait
+            # covers both; the stage is released after that step (the producer runs up to four stages ahead). dq is
+            # never in flight across the loop's back edge (that made ptxas serialize the score kernel's wgmma).
+            dq = warpgroup_mma(dx_mine, keys, dq, is_async=True)
             if (b >= 1) & ((b - 1) % 2 == W):
                 _pair_dk(b - 1, K, IDX, base0, base1, r0, r1, DKI, dx_smem, qi_all, dx_ready, dx_free, dk_zero,
                          BLOCK_N)
+            dq = warpgroup_mma_wait(0, deps=[dq])
+            release(empty.index(stage))
         nb = gl.cdiv(n_end, BLOCK_N)
         if (nb >= 1) & ((nb - 1) % 2 == W):
             _pair_dk(nb - 1, K, IDX, base0, base1, r0, r1, DKI, dx_smem, qi_all, dx_ready, dx_free, dk_zero, BLOCK_N)
