@@ -8,9 +8,8 @@ its 8-thread groups 4 rows x 8 chunks of 16 bytes (4 index loads a block); built
 thread one row of each 16-row slice (4 indices a block); each warp instruction still fills whole 128-byte lines.
 The eleventh session's "16 of 64 rows" probe (8% faster, BENCHMARKS.md) also cut the producer's instructions ~4x.
 
-- ``rows4``: that layout in the forward's producer (and the teacher mass's, which shares ``_pp_producer``). Outputs
-  must be bitwise.
-- ``rows4_r48``: the same with 48 producer registers (at 40 an offline build spilled 8 bytes outside the loop).
+- ``rows4``: that layout in the forward's producer (and the teacher mass's, which shares ``_pp_producer``); offline it
+  spills 8 bytes outside the loop on 3.6.0 (12 on 3.7.1). Outputs must be bitwise.
 - ``no_reader_fence``: the consumers' ``fence.proxy.async`` after each wait for a ring stage removed (FlashMLA fences
   only where its threads write what wgmma reads); a bound, not a candidate, until the memory model says cp.async
   data needs no reader-side fence.
@@ -35,8 +34,6 @@ _CALL_NEW = "        _ring_gather_rows4(KV, IDX, K, nb, t, ring, full, empty, D,
 _IMPORT_OLD = "program_row, release, ring_gather,"
 _IMPORT_NEW = "program_row, release, ring_gather, gather_rows, slot_rows,"
 _R4 = [(_IMPORT_OLD, _IMPORT_NEW), (_PRODUCER, _ROWS4 + "\n" + _PRODUCER), (_CALL_OLD, _CALL_NEW)]
-_REGS = ("FWD_CONFIG = dict(BLOCK_N=64, STAGES=2, REGS=(216, 40))",
-         "FWD_CONFIG = dict(BLOCK_N=64, STAGES=2, REGS=(216, 48))")
 
 _FENCE_C = ("                mbarrier.wait(full.index(c_stage), (c // STAGES) & 1)\n                fence_async_shared()\n"
             "                s = warpgroup_mma(q_smem, ring.index(c_stage + z).permute((1, 0)), s_zero, use_acc=False, "
@@ -45,5 +42,4 @@ _FENCE_0 = ("                mbarrier.wait(full.index(c_stage), (c // STAGES) & 
             "                s = warpgroup_mma(q_smem, ring.index(c_stage + z).permute((1, 0)), s_zero, use_acc=False)\n")
 _NO_FENCE = [(old, old.replace("                fence_async_shared()\n", "")) for old in (_FENCE_C, _FENCE_0)]
 
-VARIANTS = {"rows4": _R4, "rows4_r48": _R4 + [_REGS], "no_reader_fence": _NO_FENCE}
-VARIANT_CONSTEXPRS = {"rows4_r48": {"REGS": (216, 48)}}
+VARIANTS = {"rows4": _R4, "no_reader_fence": _NO_FENCE}
