@@ -10,6 +10,10 @@ The eleventh session's "16 of 64 rows" probe (8% faster, BENCHMARKS.md) also cut
 
 - ``rows4``: that layout in the forward's producer (and the teacher mass's, which shares ``_pp_producer``); offline it
   spills 8 bytes outside the loop on 3.6.0 (12 on 3.7.1). Outputs must be bitwise.
+- ``rows4_one_call``: the same thread mapping, each block's 64 rows by one ``async_load`` of a (64, 512) tile from
+  one (64,) index vector: Triton puts a producer ``bar.sync`` before each of the four 16-row copies of a block (its
+  shared-memory analysis sees four writes to one buffer), here one. Offline: no spills on 3.6.0, 12 bytes on 3.7.1,
+  44 on 3.9.0 (the shipped kernel: 0, 0, 12). Outputs must be bitwise.
 - ``no_reader_fence``: the consumers' ``fence.proxy.async`` after each wait for a ring stage removed (FlashMLA fences
   only where its threads write what wgmma reads); a bound, not a candidate, until the memory model says cp.async
   data needs no reader-side fence.
@@ -42,4 +46,31 @@ _FENCE_0 = ("                mbarrier.wait(full.index(c_stage), (c // STAGES) & 
             "                s = warpgroup_mma(q_smem, ring.index(c_stage + z).permute((1, 0)), s_zero, use_acc=False)\n")
 _NO_FENCE = [(old, old.replace("                fence_async_shared()\n", "")) for old in (_FENCE_C, _FENCE_0)]
 
-VARIANTS = {"rows4": _R4, "no_reader_fence": _NO_FENCE}
+_ONE_CALL = """    @gluon.jit
+    def _ring_gather_one_call(KV, IDX, K, nb, t, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                              STAGES: gl.constexpr):
+        io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        n_layout: gl.constexpr = gl.SliceLayout(1, io)
+        row_base = t * K
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, io))
+        slots = gl.arange(0, BLOCK_N, layout=n_layout)
+        idx = gl.load(IDX + row_base + slots, mask=slots < K, other=-1)
+        for b in range(nb):
+            stage = b % STAGES
+            mbarrier.wait(empty.index(stage), ((b // STAGES) + 1) & 1, pred=b >= STAGES)
+            ok = idx >= 0
+            rows = gl.where(ok, idx, 0).to(gl.int64) * D
+            async_load(ring.index(stage), KV + rows[:, None] + cols[None, :], mask=ok[:, None])
+            async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
+            async_copy.commit_group()
+            n = (b + 1) * BLOCK_N + slots
+            idx = gl.load(IDX + row_base + n, mask=n < K, other=-1)
+        async_copy.wait_group(0)
+
+"""
+_ONE = [(_PRODUCER, _ONE_CALL + _PRODUCER),
+        (_CALL_OLD, "        _ring_gather_one_call(KV, IDX, K, nb, t, ring, full, empty, D, BLOCK_N, STAGES)\n")]
+_ASYNC_OLD = "from ..gluon_common import (BLOCK_H, IMPORTED, TensorDescriptor, async_copy,"
+_ASYNC_NEW = "from ..gluon_common import (BLOCK_H, IMPORTED, TensorDescriptor, async_copy, async_load,"
+
+VARIANTS = {"rows4": _R4, "rows4_one_call": _ONE + [(_ASYNC_OLD, _ASYNC_NEW)], "no_reader_fence": _NO_FENCE}
