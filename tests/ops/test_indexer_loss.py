@@ -285,6 +285,35 @@ def test_student_scores_given_as_the_top_k_forms_them():
     assert all(t.abs().max() > 0 for t in shifted[1:])
 
 
+def test_attention_backward_mass_is_the_sparse_teacher():
+    """The attention backward's head-summed probabilities of the top-k slots (``reference_backward(...,
+    mass_slots=...)``: the window's slots first, as the layers lay them out), normalised by ``kl_from_mass`` against
+    the student's log-probabilities, give the sparse KL of ``indexer_kl``'s full-denominator form (float64): the
+    teacher the backward forms anyway, without a gathering kernel of its own."""
+    from dsv4attn.ops import Explicit, indexer_topk
+    from dsv4attn.ops.sparse_attention.reference import reference_backward, reference_forward
+    index_q, index_k, index_w, q, ckv, cand, outside = make_case(10, C=12, empty_rows=(2,))
+    T, H, D = q.shape
+    chosen, scores = indexer_topk(index_q, index_k, index_w, Explicit(cand), 6, return_scores=True)
+    gen = torch.Generator().manual_seed(10)
+    raw = torch.randn(7, D, dtype=q.dtype, generator=gen)                      # the window's keys
+    window = torch.randint(-1, raw.shape[0], (T, 3), generator=gen)
+    keys = torch.cat([raw, ckv])
+    slots = Explicit(torch.cat([window, torch.where(chosen >= 0, chosen + raw.shape[0], -1)], 1))
+    sink = torch.randn(H, dtype=q.dtype, generator=gen)
+    scale = D ** -0.5
+    _, lse = reference_forward(q, keys, slots, sink, scale)
+    *_, mass = reference_backward(torch.randn_like(q), q, keys, slots, sink, lse, scale, mass_slots=(3, 6))
+    valid = chosen >= 0
+    kl, _ = kl_ref.kl_from_mass(mass, kl_ref.student_log_probs(scores, valid))
+    want = indexer_kl(index_q, index_k, index_w, q, ckv, Explicit(chosen), full_lse=torch.logaddexp(lse, sink),
+                      student_scores=scores)
+    torch.testing.assert_close(kl, want, **FP64)
+    assert kl.abs().max() > 1e-3 and kl[2] == 0                         # a real loss; the empty row gives 0
+    with pytest.raises(ValueError, match=r"mass_slots \(offset, width\) must lie within the 9 slots"):
+        reference_backward(torch.randn_like(q), q, keys, slots, sink, lse, scale, mass_slots=(4, 6))
+
+
 def test_student_scores_are_checked():
     index_q, index_k, index_w, q, ckv, cand, outside = make_case(9)
     full = _full_lse(q, ckv, cand, outside)

@@ -41,9 +41,7 @@ def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand,
         scores = index_scores(index_q, keys_i, index_weights, valid)
     else:
         scores = student_scores.to(cd).masked_fill(~valid, float("-inf"))
-    has_any = valid.any(dim=-1, keepdim=True)
-    log_q = torch.log_softmax(torch.where(has_any, scores, torch.zeros_like(scores)), dim=-1)
-    log_q = torch.where(valid, log_q, torch.zeros_like(log_q))
+    log_q = student_log_probs(scores, valid)
 
     logits = torch.einsum("chd,ckd->chk", q.to(cd), gather_rows(compressed_kv, cand).to(cd)) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
@@ -55,9 +53,45 @@ def _chunk(index_q, index_k, index_weights, q, compressed_kv, outside_lse, cand,
     mass = probs.sum(dim=1)                                               # (c, C) summed over heads
     if head_sum is not None:
         mass = head_sum(mass)
-    target = mass / mass.sum(dim=-1, keepdim=True).clamp(min=FLT_MIN)
-    kl = (torch.xlogy(target, target) - target * log_q).sum(dim=-1)
+    kl, target = kl_from_mass(mass, log_q)
     return kl, target, log_q, valid, keys_i
+
+
+def student_log_probs(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """log Q(j) (rows, C): the log-softmax of the student logits ``scores`` (-inf at the empty slots) over each row's
+    valid slots; 0 at empty slots and on rows without a valid one."""
+    has_any = valid.any(dim=-1, keepdim=True)
+    log_q = torch.log_softmax(torch.where(has_any, scores, torch.zeros_like(scores)), dim=-1)
+    return torch.where(valid, log_q, torch.zeros_like(log_q))
+
+
+def kl_from_mass(mass: torch.Tensor, log_q: torch.Tensor):
+    """(KL_t (rows,), T (rows, C)): the teacher ``T`` = ``mass`` (the head-summed attention probabilities of each
+    row's candidates, (rows, C), 0 at empty slots) L1-normalised with the FLT_MIN floor, and ``KL_t = sum_j T(j)
+    (log T(j) - log Q(j))`` for the student's ``log_q`` (0 at empty slots)."""
+    target = mass / mass.sum(dim=-1, keepdim=True).clamp(min=FLT_MIN)
+    return (torch.xlogy(target, target) - target * log_q).sum(dim=-1), target
+
+
+def student_backward(d_scores, index_q, index_weights, keys_i, valid, operand_dtype):
+    """(d index_q (rows, Hi, Di), d keys (rows, C, Di), d index_weights (rows, Hi)) of one chunk of rows, from
+    ``d_scores`` = dL/dI(j) (rows, C) and the gathered indexer keys ``keys_i`` of the candidates, in the compute dtype
+    of ``d_scores``. d keys is 0 at empty slots (the caller adds it to index_k's rows)."""
+    cd = d_scores.dtype
+    qi = index_q.to(cd)
+    dots = torch.einsum("chd,ckd->chk", qi, keys_i)
+    d_w = (d_scores[:, None, :] * torch.relu(dots)).sum(-1)
+    d_dots = d_scores[:, None, :] * index_weights.to(cd)[..., None] * (dots > 0)
+    # Half-precision operands: dx is rounded to their common dtype before the two gradient products, as autograd of
+    # a bf16 matmul hands it its incoming gradient and as the kernels feed their tensor cores (the products
+    # themselves are exact, the sums fp32), so the reference's own error counts the same rounding. Mixed dtypes
+    # promote to fp32 (no rounding), as the kernels widen them.
+    d_dots = d_dots.to(operand_dtype).to(cd)
+    d_q = torch.einsum("chk,ckd->chd", d_dots, keys_i)
+    d_keys = torch.einsum("chk,chd->ckd", d_dots, qi)
+    # Empty slots add an exact 0 to row 0 instead of being selected out: a boolean selection needs the number of
+    # valid slots on the host (a sync), which compiled graphs and CUDA graphs cannot have.
+    return d_q, d_keys.masked_fill(~valid[..., None], 0.0), d_w
 
 
 class _IndexerKL(torch.autograd.Function):
@@ -93,20 +127,8 @@ class _IndexerKL(torch.autograd.Function):
                                                      ctx.head_sum, given)
             student = torch.where(valid, log_q.exp(), torch.zeros_like(log_q))
             d_scores = grad_kl[s:e, None].to(cd) * (student * target.sum(-1, keepdim=True) - target)
-            qi = index_q[s:e].to(cd)
-            dots = torch.einsum("chd,ckd->chk", qi, keys_i)
-            d_w[s:e] = (d_scores[:, None, :] * torch.relu(dots)).sum(-1)
-            d_dots = d_scores[:, None, :] * index_weights[s:e].to(cd)[..., None] * (dots > 0)
-            # Half-precision operands: dx is rounded to their common dtype before the two gradient products, as
-            # autograd of a bf16 matmul hands it its incoming gradient and as the kernels feed their tensor cores
-            # (the products themselves are exact, the sums fp32), so the reference's own error counts the same
-            # rounding. Mixed dtypes promote to fp32 (no rounding), as the kernels widen them.
-            d_dots = d_dots.to(operand_dtype).to(cd)
-            d_q[s:e] = torch.einsum("chk,ckd->chd", d_dots, keys_i)
-            d_keys = torch.einsum("chk,chd->ckd", d_dots, qi)
-            # Empty slots add an exact 0 to row 0 instead of being selected out: a boolean selection needs the
-            # number of valid slots on the host (a sync), which compiled graphs and CUDA graphs cannot have.
-            d_keys = d_keys.masked_fill(~valid[..., None], 0.0)
+            d_q[s:e], d_keys, d_w[s:e] = student_backward(d_scores, index_q[s:e], index_weights[s:e], keys_i, valid,
+                                                          operand_dtype)
             if d_k.shape[0]:                # an empty key table: every slot was empty, nothing to add
                 d_k.index_add_(0, cand.clamp(min=0).flatten(), d_keys.flatten(0, 1))
         return (d_q.to(index_q.dtype), d_k.to(index_k.dtype), d_w.to(index_weights.dtype),

@@ -84,8 +84,13 @@ def reference_lse(q, kv, index_set: IndexSet, scale: float):
 
 
 def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, scale: float, out=None,
-                       delta_grad_out=None):
+                       delta_grad_out=None, mass_slots: tuple[int, int] | None = None):
     """dq (T, H, D) ``q.dtype``, dkv (N, D) ``kv.dtype``, d_sink (H,) ``attn_sink.dtype`` from the saved ``lse``.
+
+    ``mass_slots = (offset, width)``: also returns, fourth, the (T, width) head-summed probabilities
+    ``sum_h p[t, h, offset + j]`` of slots ``offset .. offset + width`` (compute dtype, 0 at empty slots): the sparse
+    indexer KL's teacher mass when those slots are the top-k (the window's come first in the layer's index sets),
+    normalised with the same full denominator as the attention, so the backward can hand it to the loss.
 
     ``out`` given (the forward's output in its dtype): Delta = rowsum(dO * out) in the compute dtype, the way the
     one-pass GPU backward forms it (and FlashAttention, cuDNN). The low-precision error bounds of that kernel compare
@@ -100,6 +105,12 @@ def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, sca
     dq = torch.zeros(T, H, D, dtype=cd, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=cd, device=kv.device)
     dsink = torch.zeros(H, dtype=cd, device=q.device)
+    mass = None
+    if mass_slots is not None:
+        if mass_slots[0] < 0 or mass_slots[1] < 0 or sum(mass_slots) > index_set.width:
+            raise ValueError(f"mass_slots (offset, width) must lie within the {index_set.width} slots of the index "
+                             f"set, got {mass_slots}")
+        mass = torch.zeros(T, mass_slots[1], dtype=cd, device=q.device)
     if grad_out is None:
         grad_out = torch.zeros_like(q)
     for s, e in chunk_rows(T, index_set.width * (H + D), device=q.device):
@@ -107,6 +118,8 @@ def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, sca
         keys, valid, scores = _chunk_probs(q[s:e], kv, idx, sink, scale, cd)
         denom = _denominator(lse[s:e], sink)
         p = torch.exp(scores - denom[..., None])
+        if mass is not None:
+            mass[s:e] = p[:, :, mass_slots[0]:mass_slots[0] + mass_slots[1]].sum(1)
         do = grad_out[s:e].to(cd)
         dp = torch.einsum("chd,ckd->chk", do, keys)
         if out is None:
@@ -122,7 +135,8 @@ def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, sca
         dkeys = dkeys.masked_fill(~valid[..., None], 0.0)
         _scatter_add_rows(dkv, idx.clamp(min=0).flatten(), dkeys.flatten(0, 1))
         dsink -= (torch.exp(sink[None, :] - denom) * delta).sum(0)
-    return dq.to(q.dtype), dkv.to(kv.dtype), dsink.to(attn_sink.dtype)
+    grads = dq.to(q.dtype), dkv.to(kv.dtype), dsink.to(attn_sink.dtype)
+    return grads if mass is None else (*grads, mass)
 
 
 class _SparseAttention(torch.autograd.Function):
