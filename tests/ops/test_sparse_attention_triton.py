@@ -77,6 +77,7 @@ LAYOUTS = ("FUSED", "SPLIT")
 # 64-wide head, the V4 32 pairs of 512, every channel of a 128-wide head).
 ROPE_CASES = {"bf16-H5": 16, "bf16-H5-D512-K70-multiblock": 32, "fp32-H5-D128": 64}
 LAYOUT_DET_ROWS = 3                                                   # rows per deterministic buffer chunk
+MASS_SLOTS = (5, 60)                       # (offset, width) of the teacher-mass slots in the layout cases (K = 70)
 
 
 def _layout_config(sa_triton, layout, D):
@@ -277,8 +278,9 @@ def _worker() -> None:
         results["rope_slices"][str(pairs)] = (out.double() - want).abs().max().item() / want.abs().max().item()
     backend.set_backend(None)
 
-    results["layouts"] = {}
+    results["layouts"], results["mass"] = {}, {}
     saved = sa_triton.DETERMINISTIC_BUFFER_ELEMENTS
+    from dsv4attn.ops.sparse_attention.reference import reference_backward, reference_forward
     for case_id, c in LAYOUT_CASES.items():
         q, kv, idx, sink, grad_out = _inputs(c, 100 + list(LAYOUT_CASES).index(case_id))
         idx32, scale = idx.to(torch.int32), c["D"] ** -0.5
@@ -304,6 +306,24 @@ def _worker() -> None:
                 dkv_vs_atomic=(fixed[1] - atomic[1]).abs().max().item(),
                 dkv_magnitude=atomic[1].abs().max().item(),
             )
+            # The teacher mass of slots MASS_SLOTS (the launch that forms dq stores it): against the reference's
+            # in the inputs' dtype (from the kernel's lse) and in float64; the gradients stay those without it.
+            for deterministic in (False, True):
+                sa_triton.DETERMINISTIC_BUFFER_ELEMENTS = LAYOUT_DET_ROWS * num_hb * c["K"] * c["D"]
+                *with_mass, mass = sa_triton._sparse_attn_bwd(q, kv, idx32, sink, out, lse, grad_out, scale,
+                                                              dict(config), deterministic=deterministic,
+                                                              mass_slots=MASS_SLOTS)
+                sa_triton.DETERMINISTIC_BUFFER_ELEMENTS = saved
+                low = reference_backward(grad_out, q, kv, Explicit(idx), sink, lse, scale, mass_slots=MASS_SLOTS)
+                exact_lse = reference_forward(q.double(), kv.double(), Explicit(idx), sink.double(), scale)[1]
+                want = reference_backward(grad_out.double(), q.double(), kv.double(), Explicit(idx), sink.double(),
+                                          exact_lse, scale, mass_slots=MASS_SLOTS)
+                base = atomic if not deterministic else fixed
+                results["mass"][f"{case_id}-{layout}-{'det' if deterministic else 'atomic'}"] = dict(
+                    bounds=_compare([mass.double()], [low[3].double()], [want[3]], names=("mass",)),
+                    dq_dsink_unchanged=torch.equal(with_mass[0].double(), base[0])
+                    and torch.equal(with_mass[2].double(), base[2]),
+                    real=mass.abs().max().item() > 1e-3)
 
     # Plumbing: registration, dispatch through the public op, and the documented fp64 fallback.
     case_id = "bf16-H5"
@@ -443,6 +463,18 @@ def test_backward_layout(interpreted, case_id, layout):
     assert m["dkv_vs_atomic"] <= 1e-5 * max(m["dkv_magnitude"], 1e-30), (
         f"{case_id} {layout}: fp32 dkv differs from the atomic backward by {m['dkv_vs_atomic']:.3e} "
         f"(magnitude {m['dkv_magnitude']:.3e}): more than summation order")
+
+
+@pytest.mark.parametrize("kind", ["atomic", "det"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case_id", list(LAYOUT_CASES))
+def test_backward_teacher_mass(interpreted, case_id, layout, kind):
+    """The Triton backward's head-summed probabilities of a slot range (``mass_slots``, the sparse indexer KL's
+    teacher mass) within 2x the reference's own error in the inputs' dtype against float64; dq and d_sink as without
+    it."""
+    m = interpreted["mass"][f"{case_id}-{layout}-{kind}"]
+    assert m["real"] and m["dq_dsink_unchanged"], m
+    _assert_within_bounds(f"{case_id} {layout} {kind} mass", m["bounds"], LAYOUT_CASES[case_id]["dtype"] != "fp32")
 
 
 @pytest.mark.parametrize("case_id", TOPK_CASES)

@@ -234,11 +234,11 @@ def _load_do(DO, offs, h_mask, COS, SIN, t, col0, D: tl.constexpr, ROPE: tl.cons
 
 @triton.jit
 def _sparse_attn_bwd_rows_kernel(
-    Q, KV, IDX, NEND, DO, DENOM2, DELTA, DQ, DKV, COS, SIN,
-    H, K, ROWS, scale, qk_scale_log2, ROPE: tl.constexpr,
+    Q, KV, IDX, NEND, DO, DENOM2, DELTA, DQ, DKV, COS, SIN, MASS,
+    H, K, ROWS, KT, OFF, scale, qk_scale_log2, ROPE: tl.constexpr,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
     DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, DETERMINISTIC: tl.constexpr,
-    RELAXED: tl.constexpr, DKV_BLOCK_D: tl.constexpr,
+    RELAXED: tl.constexpr, DKV_BLOCK_D: tl.constexpr, DO_MASS: tl.constexpr = False,
 ):
     # One program per (query row, head block) over all D columns: q, dO and Delta (rowsum(dO * out), formed by
     # the pre-pass) are loaded once, before the loop, and each gathered BLOCK_N x D kv tile is loaded once and serves
@@ -251,6 +251,8 @@ def _sparse_attn_bwd_rows_kernel(
     #               again (L1 / L2 hits) instead of the hoisted tiles: fewer registers and less shared memory.
     # ROPE > 0 (the forward rotated its output back, output_rope): dO arrives in that frame and is rotated forward
     # (+angle) as it is loaded, rounded to its dtype (COS / SIN: (ROWS, ROPE) fp32 tables of these rows).
+    # DO_MASS: also stores the head block's sum of p over slots OFF .. OFF + KT (the sparse indexer KL's teacher
+    # mass) into its plane of MASS (ROWS, NUM_HB, KT) fp32; slots past the row's last valid one are not written.
     pid = tl.program_id(0)
     hb = pid % NUM_HB
     t = (pid // NUM_HB).to(tl.int64)
@@ -282,6 +284,9 @@ def _sparse_attn_bwd_rows_kernel(
             dp = dot(do_all, tl.trans(kv_tile), DOT_MODE)
             live = h_mask[:, None] & valid[None, :]
             p = tl.where(live, tl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
+            if DO_MASS:
+                j = n - OFF
+                tl.store(MASS + (t * NUM_HB + hb) * KT + j, tl.sum(p, 0), mask=(j >= 0) & (j < KT))
             dz = p * (dp - delta[:, None])
             if DO_DQ:
                 dq += dot(round_to(dz, KV, DOT_MODE == 2), kv_tile, DOT_MODE)
@@ -439,8 +444,12 @@ def backward_kernel(q: torch.Tensor) -> str:
     return variants.choose("sparse_attention", "backward", (q.shape[2], q.dtype), q)
 
 
-def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, deterministic=False, rope=None):
-    """Returns dq (T, H, D) q.dtype, dkv (N, D) fp32, d_sink (H,) fp32.
+def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, deterministic=False, rope=None,
+                     mass_slots=None):
+    """Returns dq (T, H, D) q.dtype, dkv (N, D) fp32, d_sink (H,) fp32; with ``mass_slots = (offset, width)`` also,
+    fourth, the (T, width) fp32 head-summed probabilities of slots offset .. offset + width (the sparse indexer KL's
+    teacher mass, :func:`.reference.reference_backward`'s), from the Triton kernel (the Gluon one does not form it
+    yet: asking for it there raises).
 
     ``out``: the forward's output (T, H, D), in its dtype: Delta = rowsum(dO * out) comes from it in both backwards.
     ``rope``: the (cos, sin) tables when the forward rotated its output (``out`` and ``grad_out`` in that frame):
@@ -454,19 +463,24 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     delta = _delta_from_out(out, grad_out)
+    mass = None if mass_slots is None else torch.zeros(T, mass_slots[1], dtype=torch.float32, device=q.device)
     if T > 0:
-        ran_gluon = (config is None and backward_kernel(q) == "gluon"
-                     and _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope, deterministic))
+        gluon = config is None and backward_kernel(q) == "gluon"
+        if gluon and mass_slots is not None:
+            raise NotImplementedError("the Gluon backward does not form the teacher mass (mass_slots) yet; pass a "
+                                      "Triton config (BWD_CONFIGS) to take the Triton kernel")
+        ran_gluon = gluon and _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope, deterministic)
         if not ran_gluon:
             config = dict(config or BWD_CONFIGS[D])
             layout = config.pop("LAYOUT", None)
             if not isinstance(layout, BwdLayout):
                 raise TypeError(f"backward config LAYOUT must be a BwdLayout (FUSED or SPLIT), got {layout!r}")
-            _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, layout, rope)
+            mass = _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, layout,
+                             rope, mass_slots)
     # d_sink = -sum_t p_sink * Delta; p_sink = 0 where the sink is -inf (also on empty rows, where denom = -inf).
     p_sink = torch.where(denom == float("-inf"), 0.0, torch.exp(sink[None, :] - denom))
     d_sink = -(p_sink * delta).sum(0)
-    return dq, dkv, d_sink
+    return (dq, dkv, d_sink) if mass_slots is None else (dq, dkv, d_sink, mass)
 
 
 def _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope=None, deterministic=False) -> bool:
@@ -497,24 +511,35 @@ def _deterministic_rows(T: int, num_hb: int, K: int, D: int) -> int:
 
 
 def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, layout: BwdLayout,
-              rope=None):
-    """The launches of ``layout`` (:func:`_sparse_attn_bwd_rows_kernel`), in order."""
+              rope=None, mass_slots=None):
+    """The launches of ``layout`` (:func:`_sparse_attn_bwd_rows_kernel`), in order. ``mass_slots = (offset,
+    width)``: the launch that forms dq also stores each head block's sum of p over those slots; returns their sum
+    over head blocks, (T, width) fp32 (None without ``mass_slots``)."""
     T, H, D = q.shape
     cos, sin, pairs = _tables(q, rope)
     K = idx.shape[1]
     kv_read = kv if kv.shape[0] > 0 else kv.new_zeros(1, D)    # empty slots read row 0 (never used, never written)
     n_end = row_ends(idx)
     overrides = {name: config.pop(name) for name in list(config) if isinstance(config[name], dict)}
+    planes = None
+    offset, width = mass_slots if mass_slots is not None else (0, 0)
     for parts, name in zip(layout.passes, layout.names()):
         cfg = dict(config, **overrides.get(name, {}))
         cfg.update(DO_DQ="DQ" in parts, DO_DKV="DKV" in parts,
                    RELAXED=bool(cfg.get("RELAXED", False)), DKV_BLOCK_D=min(D, cfg.get("DKV_BLOCK_D", D)))
+        if mass_slots is not None and "DQ" in parts:
+            # One plane per head block (plain stores, no atomics: the sum over blocks below is in a fixed order);
+            # zeros where the loop stops early (past a row's last valid slot).
+            planes = torch.zeros(T, triton.cdiv(H, cfg.get("BLOCK_H") or _block_h(H)), width, dtype=torch.float32,
+                                 device=q.device)
+            cfg.update(DO_MASS=True)
+        mass_arg = planes if cfg.get("DO_MASS") else denom2       # never touched without DO_MASS
 
         def launch(s, e, buf, det):
             cfg_det = dict(cfg, DETERMINISTIC=det)
             _launch(_sparse_attn_bwd_rows_kernel, lambda grid, meta: grid, q[s:e], cfg_det,
                     (q[s:e], kv_read, idx[s:e], n_end[s:e], grad_out[s:e], denom2[s:e], delta[s:e], dq[s:e], buf,
-                     cos[s:e], sin[s:e], H, K, e - s, scale, scale * LOG2E, pairs))
+                     cos[s:e], sin[s:e], mass_arg[s:e], H, K, e - s, width, offset, scale, scale * LOG2E, pairs))
 
         if "DKV" in parts and deterministic:
             num_hb = triton.cdiv(H, cfg.get("BLOCK_H") or _block_h(H))     # as _launch_args computes it
@@ -528,6 +553,7 @@ def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deter
                 add_rows_by_key(dkv, idx[s:e], buf, num_hb)
         else:
             launch(0, T, dkv, False)
+    return None if planes is None else planes.sum(1)
 
 
 def kernel_supports(q: torch.Tensor) -> bool:
