@@ -252,7 +252,8 @@ def _sparse_attn_bwd_rows_kernel(
     # ROPE > 0 (the forward rotated its output back, output_rope): dO arrives in that frame and is rotated forward
     # (+angle) as it is loaded, rounded to its dtype (COS / SIN: (ROWS, ROPE) fp32 tables of these rows).
     # DO_MASS: also stores the head block's sum of p over slots OFF .. OFF + KT (the sparse indexer KL's teacher
-    # mass) into its plane of MASS (ROWS, NUM_HB, KT) fp32; slots past the row's last valid one are not written.
+    # mass) into its plane of MASS (ROWS, NUM_HB, KT) fp32; tiles past the row's last valid slot are not visited
+    # (the caller's zeros stay there).
     pid = tl.program_id(0)
     hb = pid % NUM_HB
     t = (pid // NUM_HB).to(tl.int64)
@@ -458,17 +459,22 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
     kernel); ``deterministic``: no float atomics, bitwise-identical results for identical inputs (module docstring).
     """
     T, H, D = q.shape
+    gluon = T > 0 and config is None and backward_kernel(q) == "gluon"
+    mass = None
+    if mass_slots is not None:                  # checked before any work
+        if mass_slots[0] < 0 or mass_slots[1] < 0 or sum(mass_slots) > idx.shape[1]:
+            raise ValueError(f"mass_slots (offset, width) must lie within the {idx.shape[1]} slots of idx, got "
+                             f"{mass_slots}")
+        if gluon:
+            raise NotImplementedError("the Gluon backward does not form the teacher mass (mass_slots) yet; pass a "
+                                      "Triton config (BWD_CONFIGS) to take the Triton kernel")
+        mass = torch.zeros(T, mass_slots[1], dtype=torch.float32, device=q.device)     # T = 0: the empty result
     denom = torch.logaddexp(lse, sink[None, :])                 # full denominator, includes the sink
     denom2 = (denom * LOG2E).contiguous()
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     delta = _delta_from_out(out, grad_out)
-    mass = None if mass_slots is None else torch.zeros(T, mass_slots[1], dtype=torch.float32, device=q.device)
     if T > 0:
-        gluon = config is None and backward_kernel(q) == "gluon"
-        if gluon and mass_slots is not None:
-            raise NotImplementedError("the Gluon backward does not form the teacher mass (mass_slots) yet; pass a "
-                                      "Triton config (BWD_CONFIGS) to take the Triton kernel")
         ran_gluon = gluon and _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope, deterministic)
         if not ran_gluon:
             config = dict(config or BWD_CONFIGS[D])
