@@ -488,7 +488,8 @@ def test_backward_teacher_mass_is_checked_and_not_yet_gluon(monkeypatch):
     kv, idx = torch.randn(5, D), torch.randint(-1, 5, (T, K), dtype=torch.int32)
     args = (q, kv, idx, torch.zeros(H), torch.randn(T, H, D), torch.zeros(T, H), g, D ** -0.5)
     for slots in ((4, 5), (-1, 3), (0, -1)):
-        with pytest.raises(ValueError, match=r"mass_slots \(offset, width\) must lie within the 8 slots of idx"):
+        with pytest.raises(ValueError, match=r"mass_slots \(offset, width\) must lie within the 8 slots of the "
+                                             r"index set, got \(" + ", ".join(map(str, slots)) + r"\)"):
             sa_triton._sparse_attn_bwd(*args, mass_slots=slots)
     monkeypatch.setattr(sa_triton, "backward_kernel", lambda q_: "gluon")
     with pytest.raises(NotImplementedError, match="the Gluon backward does not form the teacher mass"):

@@ -83,6 +83,14 @@ def reference_lse(q, kv, index_set: IndexSet, scale: float):
     return lse
 
 
+def check_mass_slots(mass_slots: tuple[int, int], width: int) -> None:
+    """``mass_slots = (offset, width)`` of the backwards' teacher mass: a range within the ``width`` slots a row has."""
+    offset, count = mass_slots
+    if offset < 0 or count < 0 or offset + count > width:
+        raise ValueError(f"mass_slots (offset, width) must lie within the {width} slots of the index set, got "
+                         f"{tuple(mass_slots)}")
+
+
 def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, scale: float, out=None,
                        delta_grad_out=None, mass_slots: tuple[int, int] | None = None):
     """dq (T, H, D) ``q.dtype``, dkv (N, D) ``kv.dtype``, d_sink (H,) ``attn_sink.dtype`` from the saved ``lse``.
@@ -107,9 +115,7 @@ def reference_backward(grad_out, q, kv, index_set: IndexSet, attn_sink, lse, sca
     dsink = torch.zeros(H, dtype=cd, device=q.device)
     mass = None
     if mass_slots is not None:
-        if mass_slots[0] < 0 or mass_slots[1] < 0 or sum(mass_slots) > index_set.width:
-            raise ValueError(f"mass_slots (offset, width) must lie within the {index_set.width} slots of the index "
-                             f"set, got {mass_slots}")
+        check_mass_slots(mass_slots, index_set.width)
         mass = torch.zeros(T, mass_slots[1], dtype=cd, device=q.device)
     if grad_out is None:
         grad_out = torch.zeros_like(q)

@@ -47,6 +47,7 @@ from ...rope import rope_cos_sin
 from ..triton_common import dot, dot_mode, launch_fitting, round_to
 from ..index_sets import IndexSet, row_ends
 from .op import register_triton, run
+from .reference import check_mass_slots
 from .segment_sum import add_rows_by_key
 from . import gluon_hopper, gluon_hopper_bwd
 
@@ -462,13 +463,10 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
     gluon = T > 0 and config is None and backward_kernel(q) == "gluon"
     mass = None
     if mass_slots is not None:                  # checked before any work
-        if mass_slots[0] < 0 or mass_slots[1] < 0 or sum(mass_slots) > idx.shape[1]:
-            raise ValueError(f"mass_slots (offset, width) must lie within the {idx.shape[1]} slots of idx, got "
-                             f"{mass_slots}")
+        check_mass_slots(mass_slots, idx.shape[1])
         if gluon:
             raise NotImplementedError("the Gluon backward does not form the teacher mass (mass_slots) yet; pass a "
                                       "Triton config (BWD_CONFIGS) to take the Triton kernel")
-        mass = torch.zeros(T, mass_slots[1], dtype=torch.float32, device=q.device)     # T = 0: the empty result
     denom = torch.logaddexp(lse, sink[None, :])                 # full denominator, includes the sink
     denom2 = (denom * LOG2E).contiguous()
     dq = torch.empty_like(q)
@@ -486,7 +484,11 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
     # d_sink = -sum_t p_sink * Delta; p_sink = 0 where the sink is -inf (also on empty rows, where denom = -inf).
     p_sink = torch.where(denom == float("-inf"), 0.0, torch.exp(sink[None, :] - denom))
     d_sink = -(p_sink * delta).sum(0)
-    return (dq, dkv, d_sink) if mass_slots is None else (dq, dkv, d_sink, mass)
+    if mass_slots is None:
+        return dq, dkv, d_sink
+    if mass is None:                            # T = 0: no launch, the empty result
+        mass = torch.zeros(T, mass_slots[1], dtype=torch.float32, device=q.device)
+    return dq, dkv, d_sink, mass
 
 
 def _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope=None, deterministic=False) -> bool:
@@ -533,11 +535,11 @@ def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deter
         cfg = dict(config, **overrides.get(name, {}))
         cfg.update(DO_DQ="DQ" in parts, DO_DKV="DKV" in parts,
                    RELAXED=bool(cfg.get("RELAXED", False)), DKV_BLOCK_D=min(D, cfg.get("DKV_BLOCK_D", D)))
+        num_hb = triton.cdiv(H, cfg.get("BLOCK_H") or _block_h(H))         # as _launch_args computes it
         if mass_slots is not None and "DQ" in parts:
             # One plane per head block (plain stores, no atomics: the sum over blocks below is in a fixed order);
             # zeros where the loop stops early (past a row's last valid slot).
-            planes = torch.zeros(T, triton.cdiv(H, cfg.get("BLOCK_H") or _block_h(H)), width, dtype=torch.float32,
-                                 device=q.device)
+            planes = torch.zeros(T, num_hb, width, dtype=torch.float32, device=q.device)
             cfg.update(DO_MASS=True)
         mass_arg = planes if cfg.get("DO_MASS") else denom2       # never touched without DO_MASS
 
@@ -548,7 +550,6 @@ def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deter
                      cos[s:e], sin[s:e], mass_arg[s:e], H, K, e - s, width, offset, scale, scale * LOG2E, pairs))
 
         if "DKV" in parts and deterministic:
-            num_hb = triton.cdiv(H, cfg.get("BLOCK_H") or _block_h(H))     # as _launch_args computes it
             rows = _deterministic_rows(T, num_hb, K, D)
             buf = torch.empty(max(1, num_hb * rows * K * D), dtype=torch.float32, device=q.device)
             # Chunks run in row order and each adds its per-key sums in a fixed order: the result depends on the
