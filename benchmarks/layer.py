@@ -18,7 +18,9 @@ sparse attention, indexer KL and its window lse) and replays each call on its ow
 median of 3 (the upstream gradient is drawn once, outside the timed runs: drawn inside each, a (T, 64, 512)
 gradient's cost counted as the op's). In the warm-up the loss selects the attention's top-k itself
 (``indexer_kl(..., select_topk=)``), so its top-k is counted under "indexer KL" and the peers' composite takes no
-indexer top-k there.
+indexer top-k there. In the sparse phase the KL's teacher mass comes from the attention's backward
+(``indexer_kl_from_attention``'s probe): "attention" includes forming it, "indexer KL" is the KL and its gradients
+from a given mass (a random non-negative one in the replay).
 "q-norm + RoPE" is the elementwise pass over the (T, H, D) queries (the output's inverse RoPE runs inside the
 attention). "rest" is the layer's forward + backward minus those ops: the projections, norms, the kv and compressed
 RoPE and the output projection.
@@ -55,6 +57,7 @@ from dsv4attn.layers import compressor as compressor_module
 # (module, name, label): the op entry points the layer calls.
 OPS = ((compressor_module, "compress_pool", "compressor pool"), (attention_module, "indexer_topk", "indexer top-k"),
        (attention_module, "sparse_attention", "attention"), (attention_module, "indexer_kl", "indexer KL"),
+       (attention_module, "indexer_kl_from_attention", "indexer KL"),
        (attention_module, "sparse_attention_lse", "indexer KL (window LSE)"),
        (attention_module, "qnorm_rope", "q-norm + RoPE"))
 
@@ -92,19 +95,25 @@ def _time_call(fn, args, kwargs, grad, backward: bool, reps: int = 3) -> float:
     times, upstream = [], None
     for _ in range(reps + 1):
         leaves = [_leaf(a, grad) for a in args]
+        # The attention's teacher-mass probe is a leaf of its own here: the replay's backward forms the mass into
+        # it (as the layer's does) and stops there.
+        named = {k: _leaf(v, grad) for k, v in kwargs.items()}
         torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.set_grad_enabled(grad):
-            out = fn(*leaves, **kwargs)
+            out = fn(*leaves, **named)
             if backward and grad:
                 first = out[0] if isinstance(out, tuple) else out
                 if first.requires_grad:
                     if upstream is None:        # drawn in the untimed first run: its cost is not the op's
-                        upstream = torch.ones_like(first) if first.dim() == 1 else torch.randn_like(first)
+                        # 1-D: a loss per row; a probe (the sparse KL's, fp32, expanded from one element): a teacher
+                        # mass, which is non-negative; otherwise an output's gradient.
+                        upstream = (torch.ones_like(first) if first.dim() == 1 else
+                                    torch.rand_like(first) if 0 in first.stride() else torch.randn_like(first))
                     first.backward(upstream)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
-        del out, leaves
+        del out, leaves, named
     return statistics.median(times[1:])
 
 

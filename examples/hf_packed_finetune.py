@@ -8,7 +8,7 @@ Each step packs a batch of documents into one padding-free row with transformers
 (``position_ids`` restarting at 0 at each document, labels -100 at each document start), which the patched model
 computes document by document. The attention phase follows dsv4attn's curriculum: ``dense`` for the first 40% of
 the steps, ``warmup`` for the next 20% (the indexer learns), then ``sparse`` (top-k). The indexer loss is part of
-the backward already (attached to the attention outputs); it is printed next to the language-model loss.
+the backward already (it rides in the attention outputs' backward); it is printed next to the language-model loss.
 
 Prints the loss every ``--log-every`` steps and, at the end, the held-out loss before and after training.
 """
@@ -110,7 +110,7 @@ def plain_loop(model, collator, train_docs, args) -> list[float]:
             dsv4_hf.set_phase(model, phase)
         batch = collator(next(stream))
         loss = model(**batch).loss
-        loss.backward()                       # also trains the indexer: its KL loss is attached to the outputs
+        loss.backward()                       # also trains the indexer: its KL loss rides in the outputs' backward
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
@@ -132,7 +132,7 @@ def trainer_loop(model, collator, train_docs, args) -> list[float]:
         def on_log(self, targs, state, control, logs=None, **kw):
             index = dsv4_hf.indexer_loss(model)
             if logs is not None and index is not None:
-                logs["indexer_loss"] = round(index.item(), 5)   # the value of the last step's forward
+                logs["indexer_loss"] = round(index.item(), 5)   # the value of the last step (after its backward)
 
     per_step = max(1, round(args.tokens / (sum(map(len, train_docs)) / len(train_docs))))
     targs = transformers.TrainingArguments(

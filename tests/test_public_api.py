@@ -52,7 +52,8 @@ def test_sparse_attention_signature():
     # Additions are keyword-only, so positional calls keep their meaning.
     extra = {name: p for name, p in params.items() if name not in list(params)[:5]}
     assert {name: p.default for name, p in extra.items()} == {"topk_length": None, "deterministic": False,
-                                                              "output_rope": None}
+                                                              "output_rope": None, "mass_probe": None,
+                                                              "mass_offset": 0}
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra.values())
 
 

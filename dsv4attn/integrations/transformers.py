@@ -251,8 +251,8 @@ class _DSV4Attention(_hf.DeepseekV4Attention):
 
     @property
     def indexer_loss(self) -> torch.Tensor | None:
-        """Detached indexer loss of this layer's last training forward (None for ratios 0 / 128, in eval mode and
-        after a forward that raised)."""
+        """Detached indexer loss of this layer's last training step (None for ratios 0 / 128, in eval mode and
+        after a forward that raised); in the sparse phase its backward writes it (read it after ``backward()``)."""
         return self.dsv4attn_layer.indexer_loss
 
     def _dsv4attn_sync(self) -> HybridAttention:
@@ -319,8 +319,9 @@ def apply(model: nn.Module, *, phase: str = "sparse", indexer_loss_coeff: float 
         phase: ``"sparse"`` (default: top-k compressed attention, what transformers computes), ``"warmup"`` or
             ``"dense"`` (docs/semantics.md, decision 8); change it later with :func:`set_phase`.
         indexer_loss_coeff: weight of the indexer KL loss (default :class:`dsv4attn.AttentionConfig`'s, 0.01);
-            the loss is attached to each CSA layer's output in training, so the model's own loss trains the
-            indexer (:func:`indexer_loss` reads its value).
+            in training the loss rides in each CSA layer's backward (attached to its output; in the sparse phase
+            formed by the attention's backward), so the model's own loss trains the indexer (:func:`indexer_loss`
+            reads its value after the backward).
 
     The parameters stay the modules' own (shared with the dsv4attn layers, never copied): state-dict keys, the
     optimizer's parameter list, ``save_pretrained`` and ``from_pretrained`` (which gives an unpatched model: call
@@ -389,8 +390,10 @@ def get_phase(model: nn.Module) -> str:
 def indexer_loss(model: nn.Module) -> torch.Tensor | None:
     """Sum of the CSA layers' indexer losses of the last training forward (detached, for logging), or None when no
     layer computed one (eval mode, no CSA layer, or no forward yet). It is already part of the backward: each
-    layer attaches its loss to its output, so ``outputs.loss.backward()`` (and the HF Trainer) train the indexer.
-    Value: ``indexer_loss_coeff * sum of KL / real tokens of the batch`` per layer (the dense phase gives 0)."""
+    layer's loss rides in the backward of its output (attached to it; in the sparse phase formed by the attention's
+    backward, which also writes the value: read it after ``backward()``), so ``outputs.loss.backward()`` (and the HF
+    Trainer) train the indexer. Value: ``indexer_loss_coeff * sum of KL / real tokens of the batch`` per layer (the
+    dense phase gives 0)."""
     losses = [layer.indexer_loss for layer in _patched(model) if layer.indexer_loss is not None]
     if not losses:
         return None

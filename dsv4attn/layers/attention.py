@@ -7,7 +7,8 @@ from torch import nn
 from .. import checks
 from ..checkpoints import load_attention_state_dict
 from ..config import AttentionConfig, check_phase, check_ratio
-from ..ops import indexer_kl, indexer_topk, qnorm_rope, sparse_attention, sparse_attention_lse
+from ..ops import (indexer_kl, indexer_kl_from_attention, indexer_topk, qnorm_rope, sparse_attention,
+                   sparse_attention_lse)
 from ..ops.index_sets import Concat, Explicit, Rows, VisibleCompressed, Window
 from ..packing import PackedBatch, cached
 from ..parallel.setup import halo_rows, layer_frame
@@ -28,10 +29,18 @@ class HybridAttention(KeepFp32Params):
     grouped and final projections. Compressed candidates: none (ratio 0); every visible entry (ratio 128, and
     ratio 4 in the ``dense`` phase); the indexer's top-k (ratio 4, ``warmup`` and ``sparse``).
 
-    In training (``self.training`` and grad enabled) ratio-4 layers attach the indexer KL loss to the attention
-    output so that ``loss.backward()`` trains the indexer; ``self.indexer_loss`` holds its detached value
-    (``coeff * sum KL / real rows``; in the ``dense`` phase a zero that gives the indexer exact-zero gradients);
-    it is None after a forward that raised, and after any forward of a layer that has no indexer loss.
+    In training (``self.training`` and grad enabled) ratio-4 layers train the indexer with its KL loss inside
+    ``loss.backward()``: in the ``dense`` and ``warmup`` phases the loss is attached to the attention output; in the
+    ``sparse`` phase the attention's backward hands the teacher (its own probabilities of the top-k slots) to the
+    loss, which forms the KL and its gradients there (:func:`dsv4attn.ops.indexer_kl_from_attention`).
+    ``self.indexer_loss`` holds the detached value ``coeff * sum KL / real rows`` (in the ``dense`` phase a zero that
+    gives the indexer exact-zero gradients); in the ``sparse`` phase it is the layer's own () tensor, which the
+    backward writes: read it after ``backward()`` (before the layer's first sparse backward it is NaN; between a
+    forward and its backward it still holds the previous backward's value), and clone it to keep it (the next sparse
+    backward writes the same tensor); with a frozen indexer (no parameter requiring grad) the sparse phase forms no
+    loss and it is None. A forward does not reset it: a write in the forward as well as in the backward is one
+    that torch.compile cannot place in either graph. It is None after a forward that raised, and after any forward
+    of a layer that has no indexer loss.
     Capacity-padding rows (past ``cu_seqlens[-1]``) output 0 and get zero gradient.
 
     Tensor parallelism (``tp_group``: a ProcessGroup or 1-D DeviceMesh of W ranks; docs/tensor_parallel.md): the
@@ -45,9 +54,10 @@ class HybridAttention(KeepFp32Params):
 
     ``torch.compile(layer, fullgraph=True)`` traces the whole forward and backward without a graph break, for every
     ratio and phase (give it a prebuilt ``pack``). ``indexer_loss`` works the same way there: the loss is attached
-    inside the graph, and setting the attribute is a side effect that dynamo replays after the graph has run, with
-    the graph's detached loss as its value. Each phase is its own graph; a new pack with the same ``total_rows``,
-    document count and ``max_seqlen`` reuses it without a recompile (docs/packing.md, "Under torch.compile").
+    (or, in the sparse phase, its value written by the backward) inside the graph, and setting the attribute is a
+    side effect that dynamo replays after the graph has run. Each phase is its own graph; a new pack with the same
+    ``total_rows``, document count and ``max_seqlen`` reuses it without a recompile (docs/packing.md, "Under
+    torch.compile").
 
     Checks (:mod:`dsv4attn.checks`): arguments are checked for type, shape, dtype and device on every call; the
     batch metadata once per batch where the pack is built (inside the call when ``cu_seqlens`` is passed, in
@@ -86,7 +96,14 @@ class HybridAttention(KeepFp32Params):
         self._inv_freq = layer_rope_frequencies(config, compress_ratio)   # float64, not a buffer: never cast
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}           # per-device copies (no H2D per call)
         self._rope_table(self.sinks.device)
-        self.indexer_loss: torch.Tensor | None = None
+        # The sparse phase's loss value, written by the backward (one () tensor per device and dtype, made eagerly).
+        self._kl_value_on: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._kl_values(self.sinks.device)
+        # What indexer_loss reads: the last forward's detached loss, or the (device, dtype) key of the () tensor its
+        # backward writes (the sparse phase). Plain attributes, so that a compiled forward only replays their setting
+        # (a tensor set here would be a graph output that the backward writes: no partition of the graph places it).
+        self._loss_value: torch.Tensor | None = None
+        self._loss_written: tuple[torch.device, torch.dtype] | None = None
         self.reset_parameters()
         self._keep_own_shards()
 
@@ -148,7 +165,7 @@ class HybridAttention(KeepFp32Params):
                 ``cp_group`` (or, equal to its own, with a CP pack).
         Returns (T, hidden_size): this call's rows.
         """
-        self.indexer_loss = None                     # a forward that raises leaves no stale value behind
+        self._loss_value = self._loss_written = None  # a forward that raises leaves no stale value behind
         x = hidden_states
         phase, failed = self._checked_arguments(x, cu_seqlens, max_seqlen, phase, cp_group, pack, cp_partition)
         try:
@@ -247,34 +264,62 @@ class HybridAttention(KeepFp32Params):
                 # Top-k rows are rows of index_k by construction: that bound lets the ops skip any range work.
                 index_set = Concat(window, Explicit(topk, offset=n_keys, bound=index_k.shape[0]))
 
+        probe = kl_value = None
+        if train_indexer and phase == "sparse":
+            # The teacher's candidates are exactly the attention's top-k slots, normalised by its own denominator:
+            # the attention backward hands their head-summed probabilities to the probe, whose backward forms the
+            # KL and its gradients (docs/semantics.md, decision 7) and writes the loss value into kl_value.
+            kl_value = self._kl_values(q.device)[torch.promote_types(q.dtype, torch.float32)]
+            weight = c.indexer_loss_coeff / pack.num_real_rows.clamp(min=1).to(kl_value.dtype)
+            probe = indexer_kl_from_attention(index_q, index_k, index_w, topk, topk_scores, weight, kl_value,
+                                              probe_dtype=kl_value.dtype,
+                                              head_sum=None if tp.world == 1 else tp.sum_)
         # The output comes rotated back by the query's angle (the inverse RoPE, fused into the kernels' epilogue;
         # always a new tensor: docs/semantics.md, invariant 9.1).
-        out, lse = sparse_attention(q, keys, index_set, self.sinks, c.softmax_scale, output_rope=(pos_q, inv_freq))
-        if train_indexer and phase == "sparse":
-            # The teacher's candidates are exactly the attention's compressed ones: its own full denominator
-            # logaddexp(lse, sink) normalises the teacher (no second attention over the window, logits formed once).
-            full_lse = torch.logaddexp(lse.detach(), self.sinks.detach().to(lse.dtype))
-            loss = self._indexer_loss(q, kv, compressed.to(kv.dtype), window, index_q, index_k, index_w,
-                                      Explicit(topk, bound=index_k.shape[0]), pack, full_lse=full_lse,
-                                      student_scores=topk_scores)
+        out, lse = sparse_attention(q, keys, index_set, self.sinks, c.softmax_scale, output_rope=(pos_q, inv_freq),
+                                    mass_probe=probe, mass_offset=window.width)
         if loss is not None:
             out = AttachLoss.apply(out, loss)
         G = self.local_groups                      # this rank's heads make exactly these groups
         grouped = self.o_a_proj(out.reshape(T, G, self.local_heads * D // G))
         y = tp.reduce(self.o_b_proj(grouped.reshape(T, G * c.o_lora_rank)))   # partial sums -> the full output
-        self.indexer_loss = None if loss is None else loss.detach()      # only once the whole forward succeeded
+        # Only once the whole forward succeeded; in the sparse phase the backward writes the value.
+        self._loss_value = None if loss is None else loss.detach()
+        # A frozen indexer (no parameter requires grad) makes a probe without grad: the attention's backward forms no
+        # mass and the loss is never written, so there is none to report.
+        written = probe is not None and probe.requires_grad
+        self._loss_written = (kl_value.device, kl_value.dtype) if written else None
         return y
+
+    @property
+    def indexer_loss(self) -> torch.Tensor | None:
+        """The last training forward's indexer loss, detached (class docstring); None if it had none or raised."""
+        if self._loss_written is not None:
+            return self._kl_value_on[self._loss_written]
+        return self._loss_value
+
+    @indexer_loss.setter
+    def indexer_loss(self, value: torch.Tensor | None) -> None:
+        self._loss_value, self._loss_written = value, None
 
     def _apply(self, fn, recurse=True):
         # The table on the parameters' new device is made here, eagerly: a compiled forward finds it (a miss
         # inside torch.compile builds it in the graph every call, see packing.cached).
         super()._apply(fn, recurse)
         self._rope_table(self.sinks.device)
+        self._kl_values(self.sinks.device)
         return self
 
     def _rope_table(self, device: torch.device) -> torch.Tensor:
         # Kept per device (no host-to-device copy per call); not stored while compiling (packing.cached).
         return cached(self._inv_freq_on, device, lambda: self._inv_freq.to(device))
+
+    def _kl_values(self, device: torch.device) -> dict[torch.dtype, torch.Tensor]:
+        # The () tensors the sparse phase's backward writes its loss value into, fp32 and fp64 (the compute dtypes),
+        # per device; made eagerly (in __init__ and _apply) so that a compiled forward finds them as inputs.
+        return {dtype: cached(self._kl_value_on, (device, dtype),
+                              lambda: torch.full((), float("nan"), dtype=dtype, device=device))
+                for dtype in (torch.float32, torch.float64)}
 
     def _queries(self, x, positions, inv_freq):
         """(qr, q): the normalised low-rank query (T, q_lora_rank) and the RoPE'd queries (T, H, head_dim)."""
@@ -319,21 +364,17 @@ class HybridAttention(KeepFp32Params):
         return dict(q=q, compressed=compressed, outside_lse=outside_lse, index_q=index_q, index_k=index_k,
                     index_weights=index_w, layout=layout)
 
-    def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, candidates, pack, full_lse=None,
-                      student_scores=None, select_topk=None):
-        """coeff * sum_t KL_t / real rows of the global batch (under CP this rank's share). Teacher operands are
-        detached (docs/semantics.md, invariant 9.9); ``candidates`` is the top-k (sparse teacher, with the attention's
-        ``full_lse`` and the top-k's own scores as the student logits) or every visible entry (warm-up: the window +
-        sink mass is computed here, and ``select_topk`` returns (loss, top-k, its scores))."""
-        outside_lse = None if full_lse is not None else self._outside_lse(q, kv, window)
+    def _indexer_loss(self, q, kv, compressed, window, index_q, index_k, index_w, candidates, pack, select_topk):
+        """The warm-up's KL loss: (coeff * sum_t KL_t / real rows of the global batch (under CP this rank's share),
+        the top-k, its scores). The teacher spans every visible entry (``candidates``) with the window + sink mass
+        formed here; its operands are detached (docs/semantics.md, invariant 9.9). (The sparse phase's loss comes
+        from the attention's backward: :func:`dsv4attn.ops.indexer_kl_from_attention`.)"""
         # Under tensor parallelism q holds this rank's heads: head_sum adds the other ranks' teacher mass.
-        out = indexer_kl(index_q, index_k, index_w, q.detach(), compressed.detach(), candidates, outside_lse,
-                         self.config.softmax_scale, full_lse=full_lse,
-                         head_sum=None if self.tp.world == 1 else self.tp.sum_, student_scores=student_scores,
-                         select_topk=select_topk)
-        kl, *chosen = out if select_topk is not None else (out,)
+        kl, *chosen = indexer_kl(index_q, index_k, index_w, q.detach(), compressed.detach(), candidates,
+                                 self._outside_lse(q, kv, window), self.config.softmax_scale,
+                                 head_sum=None if self.tp.world == 1 else self.tp.sum_, select_topk=select_topk)
         loss = self.config.indexer_loss_coeff * kl.sum() / pack.num_real_rows.clamp(min=1).to(kl.dtype)
-        return (loss, *chosen) if chosen else loss
+        return (loss, *chosen)
 
     def _check_input(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> None:
         hidden = self.config.hidden_size

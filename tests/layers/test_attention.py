@@ -32,7 +32,8 @@ def run(layer, x, cu, max_len, phase, grad_out):
     y = layer(x, cu_seqlens=cu, max_seqlen=max_len, phase=phase)
     (y * grad_out).sum().backward()
     grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
-    return y.detach(), x.grad, grads, layer.indexer_loss
+    loss = layer.indexer_loss       # the sparse phase's is the layer's own tensor, rewritten by its next backward
+    return y.detach(), x.grad, grads, None if loss is None else loss.clone()
 
 
 @pytest.mark.parametrize("phase", PHASES)
@@ -243,31 +244,37 @@ def test_sparse_with_wide_topk_equals_dense():
 
 
 def test_phases_build_their_own_graph(monkeypatch):
-    """dense: no indexer; warmup: dense teacher over every visible entry; sparse: teacher over the top-k."""
+    """dense: no indexer; warmup: dense teacher over every visible entry (indexer_kl, which also selects the top-k);
+    sparse: the teacher from the attention's backward over the top-k (indexer_kl_from_attention's probe)."""
     seen = []
-    real = attention_module.indexer_kl
+    real, real_channel = attention_module.indexer_kl, attention_module.indexer_kl_from_attention
 
-    def spy(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, full_lse=None, head_sum=None,
-            student_scores=None, select_topk=None):
-        seen.append(candidates)
-        assert (full_lse is not None) == isinstance(candidates, dsv4attn.ops.Explicit)   # sparse: attention's L
-        assert (student_scores is not None) == (full_lse is not None)     # sparse: the top-k's own scores
+    def spy(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, head_sum=None, select_topk=None):
+        seen.append(("warmup", candidates))
         # warm-up: the loss selects the attention's top-k from the student scores it forms over every entry
-        assert (select_topk is not None) == (full_lse is None)
+        assert select_topk == layer.config.index_topk
         assert head_sum is None                       # one process: the teacher already sums every head
-        return real(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, full_lse=full_lse,
-                    student_scores=student_scores, select_topk=select_topk)
+        return real(index_q, index_k, index_w, q, ckv, candidates, outside_lse, scale, select_topk=select_topk)
+
+    def channel_spy(index_q, index_k, index_w, candidates, scores, weight, kl_value, probe_dtype, head_sum):
+        seen.append(("sparse", candidates))
+        assert head_sum is None and probe_dtype == torch.float64 and scores.shape == candidates.shape
+        return real_channel(index_q, index_k, index_w, candidates, scores, weight, kl_value,
+                            probe_dtype=probe_dtype, head_sum=head_sum)
 
     monkeypatch.setattr(attention_module, "indexer_kl", spy)
+    monkeypatch.setattr(attention_module, "indexer_kl_from_attention",
+                        lambda *a, probe_dtype, head_sum: channel_spy(*a, probe_dtype, head_sum))
     layer = make_layer(4)
     cu, T, max_len = ragged_pack()
     x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
     for phase in PHASES:
         layer(x, cu_seqlens=cu, max_seqlen=max_len, phase=phase)
-    assert len(seen) == 2
-    warm, sparse = seen
+    assert [kind for kind, _ in seen] == ["warmup", "sparse"]
+    (_, warm), (_, sparse) = seen
     assert isinstance(warm.base, dsv4attn.ops.VisibleCompressed) and warm.width == max_len // 4
-    assert isinstance(sparse, dsv4attn.ops.Explicit) and sparse.width == layer.config.index_topk
+    assert isinstance(sparse, torch.Tensor) and sparse.shape == (T, layer.config.index_topk)
+    assert torch.isnan(layer.indexer_loss)            # the sparse phase's value: written by the backward
     with torch.no_grad():
         layer.eval()
         assert layer(x, cu_seqlens=cu, max_seqlen=max_len, phase="sparse") is not None
@@ -275,14 +282,15 @@ def test_phases_build_their_own_graph(monkeypatch):
 
 
 def test_sparse_teacher_with_the_attention_denominator_equals_the_outside_mass_form():
-    """The sparse phase normalises the teacher with the attention's own logaddexp(lse, sink); recomputed the long way
-    (window + sink mass from a separate window attention, then the KL's own LSE over the top-k) it is the same loss."""
+    """The sparse phase's teacher is the attention's own probabilities of the top-k slots, taken in its backward;
+    recomputed the long way (window + sink mass from a separate window attention, then the KL's own LSE over the
+    top-k) it is the same loss."""
     from dsv4attn.ops import Explicit, VisibleCompressed, indexer_kl, indexer_topk
 
     layer = make_layer(4, seed=3)
     cu, T, max_len = ragged_pack()
     x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
-    layer(x, cu_seqlens=cu, max_seqlen=max_len, phase="sparse")
+    layer(x, cu_seqlens=cu, max_seqlen=max_len, phase="sparse").sum().backward()      # the backward writes the loss
     pack = dsv4attn.pack_batch(cu, T, max_len)
     inp = layer.indexer_inputs(x, pack)
     topk = indexer_topk(inp["index_q"], inp["index_k"], inp["index_weights"],
@@ -292,6 +300,22 @@ def test_sparse_teacher_with_the_attention_denominator_equals_the_outside_mass_f
     expected = layer.config.indexer_loss_coeff * kl.sum() / pack.num_real_rows
     assert expected > 0
     torch.testing.assert_close(layer.indexer_loss, expected, rtol=1e-10, atol=0)
+
+
+def test_frozen_indexer_reports_no_sparse_loss():
+    """An indexer whose parameters do not require grad gets no gradient: its sparse-phase loss, which only the
+    backward forms, is not formed and ``indexer_loss`` is None (never a stale value); the warm-up still reports its
+    forward's value."""
+    layer = make_layer(4, seed=4)
+    cu, T, max_len = ragged_pack()
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    layer(x, cu_seqlens=cu, max_seqlen=max_len, phase="sparse").sum().backward()
+    assert layer.indexer_loss > 0
+    layer.indexer.requires_grad_(False)
+    layer(x.clone().requires_grad_(True), cu_seqlens=cu, max_seqlen=max_len, phase="sparse").sum().backward()
+    assert layer.indexer_loss is None
+    layer(x, cu_seqlens=cu, max_seqlen=max_len, phase="warmup").sum().backward()
+    assert layer.indexer_loss > 0
 
 
 def test_phase_switch_between_optimizer_steps_keeps_optimizer_state():

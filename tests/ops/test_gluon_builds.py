@@ -77,13 +77,15 @@ def gluon_kernels():
               qk_scale_log2="fp32"),
          dict(D=512, BLOCK_N=fwd["BLOCK_N"], STAGES=attn._pair_stages(fwd["BLOCK_N"], 512), num_warps=4,
               REGS=attn.PAIR_REGS)),
-        # The backward's deterministic form (dKV stored per slot), then its default (last: kernel_variants.py).
+        # The backward's deterministic form (dKV stored per slot), with the sparse KL's teacher mass, then its
+        # default (last: kernel_variants.py).
         *[(name, attn_bwd._sparse_attn_bwd_gluon,
            dict(Q=bf, DO=bf, KV=bf, IDX=i32, NEND=i32, DENOM2=f32, DELTA=f32, DQ=bf, DKV=f32, COS=f32, SIN=f32,
-                H="i32", K="i32", qk_scale_log2="fp32", scale="fp32"),
+                MASS=f32, H="i32", K="i32", KT="i32", OFF="i32", qk_scale_log2="fp32", scale="fp32"),
            dict(D=512, BLOCK_N=attn_bwd.BLOCK_N, CHUNK=bwd["CHUNK"], num_warps=4, REGS=tuple(bwd["REGS"]), ROPE=32,
-                RW=attn_bwd.rotated_width(32), DETERMINISTIC=det))
-          for name, det in (("attn_bwd_deterministic", True), ("attn_bwd", False))],
+                RW=attn_bwd.rotated_width(32), DETERMINISTIC=det, DO_MASS=mass))
+          for name, det, mass in (("attn_bwd_deterministic", True, False), ("attn_bwd_mass", False, True),
+                                  ("attn_bwd", False, False))],
         ("indexer_scores", scores._indexer_orders_gluon, score_sig, score_consts[False]),
         ("indexer_scores_table", scores._indexer_orders_gluon, score_sig, score_consts[True]),
         ("kl_bwd", kl._indexer_kl_bwd_gluon,
@@ -168,8 +170,8 @@ SERIALIZED = {
                               "and wait for a GPU run (BENCHMARKS.md, thirtieth session)",
 }
 KERNEL_NAMES = ["attn_fwd", "attn_fwd_no_rope", "teacher_mass", "teacher_lse", "teacher_mass_ranges",
-                "teacher_lse_ranges", "attn_bwd_deterministic", "attn_bwd", "indexer_scores", "indexer_scores_table",
-                "kl_bwd", "kl_bwd_pairs"]
+                "teacher_lse_ranges", "attn_bwd_deterministic", "attn_bwd_mass", "attn_bwd", "indexer_scores",
+                "indexer_scores_table", "kl_bwd", "kl_bwd_pairs"]
 
 
 def _worker():

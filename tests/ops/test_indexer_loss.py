@@ -314,6 +314,122 @@ def test_attention_backward_mass_is_the_sparse_teacher():
         reference_backward(torch.randn_like(q), q, keys, slots, sink, lse, scale, mass_slots=(4, 6))
 
 
+def _attention_channel_case(seed, top=6):
+    """A sparse-phase case: the indexer's top-k over random candidates, attention slots = 3 window keys then the
+    top-k (as the layers lay them out), the attention's inputs (float64)."""
+    from dsv4attn.ops import Explicit, indexer_topk
+    index_q, index_k, index_w, q, ckv, cand, _ = make_case(seed, C=12, empty_rows=(2,))
+    T, H, D = q.shape
+    chosen, scores = indexer_topk(index_q, index_k, index_w, Explicit(cand), top, return_scores=True)
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randn(7, D, dtype=q.dtype, generator=gen)                      # the window's keys
+    window = torch.randint(-1, raw.shape[0], (T, 3), generator=gen)
+    keys = torch.cat([raw, ckv])
+    slots = torch.cat([window, torch.where(chosen >= 0, chosen + raw.shape[0], -1)], 1)
+    sink = torch.randn(H, dtype=q.dtype, generator=gen)
+    return (index_q, index_k, index_w), chosen, scores, (q, keys, slots, sink, ckv)
+
+
+def _grads_through_the_channel(student, chosen, scores, attention, weight, grad_out, *, compiled=False,
+                               kl_value=None):
+    """(kl_value, d index_q, d index_k, d index_weights) after one backward of the attention with the channel's
+    probe (the indexer gets gradients only through the probe)."""
+    from dsv4attn.ops import indexer_kl_from_attention, sparse_attention
+    leaves = [t.detach().clone().requires_grad_(True) for t in student]
+    q, keys, slots, sink, _ = attention
+    q = q.detach().clone().requires_grad_(True)
+    kl_value = torch.full((), float("nan"), dtype=torch.float64) if kl_value is None else kl_value
+
+    def step(index_q, index_k, index_w, q_):
+        probe = indexer_kl_from_attention(index_q, index_k, index_w, chosen, scores, weight, kl_value,
+                                          probe_dtype=torch.float64)
+        out, _ = sparse_attention(q_, keys, slots, sink, mass_probe=probe, mass_offset=3)
+        return (out * grad_out).sum()
+
+    fn = torch.compile(step, fullgraph=True) if compiled else step
+    fn(*leaves, q).backward()
+    return (kl_value.clone(), *(t.grad for t in leaves))
+
+
+@pytest.mark.parametrize("mode", ["eager", "row-chunks", "compiled"])
+def test_kl_from_attention_equals_indexer_kl(mode, monkeypatch):
+    """The channel's loss value and gradients (teacher mass from the attention backward) equal weight * the sum of
+    indexer_kl's full-denominator form and its gradients (float64; summation order only): the sparse phase's loss
+    without a teacher kernel. "row-chunks": the KL one row per chunk."""
+    student, chosen, scores, attention = _attention_channel_case(12)
+    q, keys, slots, sink, ckv = attention
+    weight = torch.tensor(0.37, dtype=torch.float64)
+    grad_out = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    if mode == "row-chunks":
+        chunks = wrap_chunk_rows(kl_ref, monkeypatch, budget=1)
+    if mode == "compiled":
+        torch._dynamo.reset()
+    got = _grads_through_the_channel(student, chosen, scores, attention, weight, grad_out,
+                                     compiled=mode == "compiled")
+    if mode == "row-chunks":
+        assert len(chunks) == q.shape[0]
+        monkeypatch.undo()
+    from dsv4attn.ops import Explicit, sparse_attention
+    lse = sparse_attention(q, keys, slots, sink)[1]
+    leaves = [t.detach().clone().requires_grad_(True) for t in student]
+    kl = indexer_kl(*leaves, q, ckv, Explicit(chosen), full_lse=torch.logaddexp(lse, sink), student_scores=scores)
+    (weight * kl.sum()).backward()
+    want = (weight * kl.sum().detach(), *(t.grad for t in leaves))
+    for name, a, b in zip(("kl_value", "d_index_q", "d_index_k", "d_index_weights"), got, want):
+        torch.testing.assert_close(a, b, **FP64, msg=lambda m: f"{name}: {m}")
+        assert b.abs().max() > 1e-4, name
+
+
+def test_kl_from_attention_without_the_attention_backward_changes_nothing():
+    """The probe's backward runs only with the attention's: an output that is never differentiated leaves
+    ``kl_value`` as it was and gives the indexer no gradient; a probe outside autograd (no_grad) is a plain zero."""
+    from dsv4attn.ops import indexer_kl_from_attention, sparse_attention
+    (index_q, index_k, index_w), chosen, scores, (q, keys, slots, sink, _) = _attention_channel_case(13)
+    index_q.requires_grad_(True)
+    kl_value = torch.full((), 5.0, dtype=torch.float64)
+    probe = indexer_kl_from_attention(index_q, index_k, index_w, chosen, scores, torch.tensor(1.0).double(),
+                                      kl_value, probe_dtype=torch.float64)
+    assert probe.shape == chosen.shape and probe.dtype == torch.float64 and (probe == 0).all()
+    out, _ = sparse_attention(q.requires_grad_(True), keys, slots, sink, mass_probe=probe, mass_offset=3)
+    out.detach().sum()
+    assert kl_value.item() == 5.0 and index_q.grad is None
+
+
+CHANNEL_BAD = {
+    "candidates_dtype": (dict(candidates=lambda c: c.float()), ValueError, r"candidates must have dtype in"),
+    "scores_shape": (dict(student_scores=lambda s: s[:, :-1]), ValueError, r"student_scores must have shape"),
+    "weight_shape": (dict(weight=lambda w: w.reshape(1)), ValueError, r"weight must have shape \(\)"),
+    "kl_value_dtype": (dict(kl_value=lambda v: v.half()), ValueError, r"kl_value must have dtype in"),
+    "probe_dtype": (dict(probe_dtype=lambda d: torch.bfloat16), ValueError, r"probe_dtype must be torch.float32"),
+    "head_sum": (dict(head_sum=lambda h: 3), TypeError, r"head_sum must be None or a callable"),
+    "kl_value_grad": (dict(kl_value=lambda v: v.requires_grad_(True)), ValueError,
+                      r"kl_value must not require grad: the backward writes"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHANNEL_BAD))
+def test_kl_from_attention_bad_input(case):
+    from dsv4attn.ops import indexer_kl_from_attention
+    (index_q, index_k, index_w), chosen, scores, _ = _attention_channel_case(14)
+    args = dict(candidates=chosen, student_scores=scores, weight=torch.tensor(1.0).double(),
+                kl_value=torch.zeros((), dtype=torch.float64), probe_dtype=torch.float64, head_sum=None)
+    change, error, pattern = CHANNEL_BAD[case]
+    for name, fn in change.items():
+        args[name] = fn(args[name])
+    with pytest.raises(error, match=pattern):
+        indexer_kl_from_attention(index_q, index_k, index_w, args.pop("candidates"), args.pop("student_scores"),
+                                  args.pop("weight"), args.pop("kl_value"), **args)
+
+
+def test_kl_from_mass_opcheck():
+    from dsv4attn.ops.indexer_loss.from_attention import indexer_kl_from_mass_op
+    (index_q, index_k, index_w), chosen, scores, _ = _attention_channel_case(15)
+    mass = torch.rand(chosen.shape, dtype=torch.float64) * (chosen >= 0)
+    torch.library.opcheck(indexer_kl_from_mass_op, (mass, index_q, index_k, index_w, chosen, scores,
+                                                    torch.tensor(0.5).double(), torch.zeros((), dtype=torch.float64),
+                                                    "reference"))
+
+
 def test_student_scores_are_checked():
     index_q, index_k, index_w, q, ckv, cand, outside = make_case(9)
     full = _full_lse(q, ckv, cand, outside)

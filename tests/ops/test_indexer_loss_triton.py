@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from dsv4attn import variants
-from dsv4attn.ops.index_sets import row_ends
+from dsv4attn.ops.index_sets import Explicit, row_ends
 
 from tests.ops.interpreter import run_worker
 from tests.ops.kernel_checks import OpLog, assert_error_within, low_precision_bound
@@ -289,6 +289,7 @@ def _worker() -> None:
     results["op"] = _op_checks(klt, inputs)
     results["range_rows"] = _range_rows_twin(klt)
     results["mass_given"] = _mass_given_check(klt)
+    results["from_mass"] = _from_mass_check(klt)
     results["gluon_teacher"] = _gluon_teacher_check(klt)
     print("RESULTS " + json.dumps(results))
 
@@ -511,6 +512,34 @@ def _mass_given_check(klt) -> dict:
     return result
 
 
+FROM_MASS_CASES = ("fp32-topk-scores-given", "bf16-topk-scores-given", "bf16-causal-topk-scores-given-default-config",
+                   "mixed-index-q-bf16-index-k-fp32")
+
+
+def _from_mass_check(klt) -> dict:
+    """``kl_grads_from_mass_triton`` (the sparse KL from the attention backward's teacher mass and the top-k's scores:
+    the KL kernel with both given, then the saved-gradient backward) against the reference from the same rounded
+    inputs, both measured against float64 (the mass and the scores formed in float64 from the rounded inputs)."""
+    from dsv4attn.ops.index_sets import Explicit
+    from dsv4attn.ops.indexer_loss.reference import kl_grads_from_mass_reference
+    result = {}
+    for seed, case_id in enumerate(FROM_MASS_CASES):
+        inputs = _inputs(CASES[case_id], 300 + seed)
+        index_q, index_k, index_w, q, ckv, full, cand, _ = _with_full_lse(inputs, torch.float64)
+        idx = cand.rows(0, cand.total_rows).to(torch.int32)
+        valid = idx >= 0
+        logits = torch.einsum("thd,tkd->thk", q.double(), ckv.double()[idx.long().clamp(min=0)]) * q.shape[-1] ** -0.5
+        mass64 = torch.where(valid, torch.exp(logits - full[..., None]).sum(1), 0.0)
+        weight = torch.tensor(0.37)
+        scores, scores64 = _student_scores(inputs), _student_scores(inputs, torch.float64)
+        kernel = klt.kl_grads_from_mass_triton(mass64.float(), index_q, index_k, index_w, idx, scores, weight)
+        low = kl_grads_from_mass_reference(mass64.float(), index_q, index_k, index_w, Explicit(idx), scores, weight)
+        exact = kl_grads_from_mass_reference(mass64, index_q.double(), index_k.double(), index_w.double(),
+                                             Explicit(idx), scores64, weight.double())
+        result[case_id] = _compare([t.double() for t in kernel], [t.double() for t in low], exact)
+    return result
+
+
 # The registered ops, on the small cases: which op runs, bitwise agreement of the two op pairs on the same candidates,
 # torch.library's checks and torch.compile. Each case once with the saved dKL/dI and once with the backward
 # recomputing the teacher.
@@ -717,6 +746,14 @@ def test_forward_with_the_teacher_mass_given_equals_forming_it(interpreted, what
     assert interpreted["mass_given"]["other_mass_changes_kl"]
 
 
+@pytest.mark.parametrize("case_id", FROM_MASS_CASES)
+def test_kl_from_a_given_mass_matches_float64(interpreted, case_id):
+    """The sparse KL and its gradients from the attention backward's teacher mass (the channel's Triton path): within
+    the kernel bounds of the other cases (2x the reference's own error for the loss, 3x for the gradients)."""
+    _assert_within_bounds(f"{case_id} from-mass", interpreted["from_mass"][case_id],
+                          low_precision=CASES[case_id]["dtype"] != "fp32")
+
+
 @pytest.mark.parametrize("save_g", [True, False], ids=["saved", "mass-again-in-backward"])
 def test_gluon_teacher_dataflow_matches_float64(interpreted, save_g):
     """The warm-up's Gluon-teacher path over several chunks, its Gluon kernels stood in for by float64 torch versions
@@ -892,6 +929,33 @@ def test_gpu_flash_shapes_match_float64_reference(mode, save_g, fwd, full, score
                                      given),
                         _run(indexer_kl_reference, inputs, widen=True))
     _assert_within_bounds(f"{mode}-T4096", measured, low_precision=True)
+
+
+@GPU
+def test_gpu_kl_from_a_given_mass_matches_float64_reference():
+    """The sparse KL from a teacher mass formed elsewhere (the attention backward's) and the top-k's scores, at the
+    Flash shapes (T = 4096, top-512): the KL kernel with both given, then the saved-gradient backward (the Gluon
+    kernel on SM90), within 2x / 3x the reference's own error against float64."""
+    from dsv4attn.ops.indexer_loss import triton as klt
+    from dsv4attn.ops.indexer_loss.reference import kl_grads_from_mass_reference
+
+    inputs = flash_inputs(4096, "sparse", seed=3)
+    index_q, index_k, index_w, q, ckv, full, cand, _ = _with_full_lse(inputs, torch.float64)
+    idx = cand.rows(0, cand.total_rows).to(torch.int32)
+    mass64 = torch.zeros(idx.shape, dtype=torch.float64, device="cuda")
+    for s in range(0, idx.shape[0], 256):
+        e = min(s + 256, idx.shape[0])
+        rows = idx[s:e].long()
+        logits = torch.einsum("thd,tkd->thk", q[s:e].double(), ckv.double()[rows.clamp(min=0)]) * 512 ** -0.5
+        mass64[s:e] = torch.where(rows >= 0, torch.exp(logits - full[s:e, :, None]).sum(1), 0.0)
+    weight = torch.tensor(1 / 4096, device="cuda")
+    scores, scores64 = _student_scores(inputs), _student_scores(inputs, torch.float64)
+    kernel = klt.kl_grads_from_mass_triton(mass64.float(), index_q, index_k, index_w, idx, scores, weight)
+    low = kl_grads_from_mass_reference(mass64.float(), index_q, index_k, index_w, Explicit(idx), scores, weight)
+    exact = kl_grads_from_mass_reference(mass64, index_q.double(), index_k.double(), index_w.double(), Explicit(idx),
+                                         scores64, weight.double())
+    measured = _compare([t.double() for t in kernel], [t.double() for t in low], exact)
+    _assert_within_bounds("from-mass-T4096", measured, low_precision=True)
 
 
 @GPU

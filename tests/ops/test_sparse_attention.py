@@ -506,6 +506,137 @@ def test_opcheck(with_length):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# mass_probe: the backward hands the head-summed probabilities of a slot range to a probe as its gradient.
+
+def _probe_run(fn, q, kv, sink, grad_out, width):
+    """(grads of q, kv, sink, probe) after one backward of ``fn(q, kv, sink, probe)`` -> out with a (T, width)
+    probe."""
+    q, kv, sink = (t.detach().clone().requires_grad_(True) for t in (q, kv, sink))
+    probe = torch.zeros(q.shape[0], width, dtype=q.dtype, requires_grad=True)
+    (fn(q, kv, sink, probe) * grad_out).sum().backward()
+    return q.grad, kv.grad, sink.grad, probe.grad
+
+
+@pytest.mark.parametrize("indices", ["tensor", "index-set", "index-set-chunks", "topk_length", "output_rope"])
+def test_mass_probe_gets_the_teacher_mass(indices, monkeypatch):
+    """The probe's gradient is reference_backward's mass of the same slots (float64, bitwise where the computation is
+    the same), summed over heads and 0 at empty slots; the other gradients are those of a run without a probe. The
+    kernels' row chunks ("index-set-chunks": one row per op call, the probe split alike) only concatenate."""
+    from dsv4attn.ops.index_sets import Explicit
+    from dsv4attn.ops.sparse_attention import op as sa_op
+
+    pack, q, kv, sink, index_set = ragged_sets(26)
+    T, K = pack.total_rows, index_set.width
+    offset, width = 5, K - 7                                 # past the window's 5 slots, short of the last 2
+    idx = index_set.materialize().to(torch.int32)
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    kwargs, arg = {}, idx
+    if indices == "topk_length":
+        kwargs["topk_length"] = torch.randint(0, K + 1, (T,), generator=torch.Generator().manual_seed(3),
+                                              dtype=torch.int32)
+    if indices == "output_rope":
+        kwargs["output_rope"] = (pack.row_position, torch.tensor([1.0, 0.1], dtype=torch.float64))
+    if indices.startswith("index-set"):
+        arg = index_set
+
+    def fn(q_, kv_, s_, probe):
+        return sparse_attention(q_, kv_, arg, s_, mass_probe=probe, mass_offset=offset, **kwargs)[0]
+
+    if indices == "index-set-chunks":                # the kernels' path: one op call per chunk of rows
+        chunks = wrap_chunk_rows(sa_op, monkeypatch, budget=1)
+        monkeypatch.setattr(sa_op, "sparse_attention_reference", None)           # must not be reached
+
+        def fn(q_, kv_, s_, probe):                  # noqa: F811: fp64 runs the reference inside the op
+            return sa_op.run(q_, kv_, arg, s_, q.shape[2] ** -0.5, None, False, "triton", mass_probe=probe,
+                             mass_offset=offset)[0]
+    got = _probe_run(fn, q, kv, sink, grad_out, width)
+    if indices == "index-set-chunks":
+        assert len(chunks) == T
+        monkeypatch.undo()
+    plain = run_with_grads(lambda q_, kv_, s_: sparse_attention(q_, kv_, arg, s_, **kwargs), q, kv, sink, grad_out)
+    for name, a, b in zip(("dq", "dkv", "dsink"), got[:3], plain[2:]):
+        if indices == "index-set-chunks" and name != "dq":     # summed over rows chunk by chunk
+            torch.testing.assert_close(a, b, **FP64)
+        else:
+            assert torch.equal(a, b), name
+    limited = idx if "topk_length" not in kwargs else torch.where(
+        torch.arange(K)[None, :] < kwargs["topk_length"][:, None], idx, -1)
+    lse = sparse_attention(q, kv, limited, sink)[1]
+    rope_grad = grad_out
+    if "output_rope" in kwargs:
+        from dsv4attn.rope import apply_rope
+        rope_grad = apply_rope(grad_out, *kwargs["output_rope"])
+    want = sa_ref.reference_backward(rope_grad, q, kv, Explicit(limited), sink, lse, q.shape[2] ** -0.5,
+                                     mass_slots=(offset, width))[3]
+    assert got[3].shape == (T, width) and got[3].dtype == torch.float64
+    torch.testing.assert_close(got[3], want, **FP64)
+    assert got[3].abs().max() > 0.1
+    assert (got[3][limited[:, offset:offset + width] < 0] == 0).all()
+
+
+def test_mass_probe_without_grad_and_compiled():
+    """A probe that does not require grad gets none (and costs the backward nothing); under
+    torch.compile(fullgraph=True) the probe's gradient is the eager one, bit for bit."""
+    q, kv, idx, sink, _ = _compile_inputs(27)
+    grad_out = torch.randn(q.shape)
+    probe = torch.zeros(q.shape[0], 5)
+    out, _ = sparse_attention(q.requires_grad_(True), kv, idx, sink, mass_probe=probe, mass_offset=2)
+    (out * grad_out).sum().backward()
+    assert probe.grad is None
+
+    def step(q_, probe_):
+        return sparse_attention(q_, kv, idx, sink, mass_probe=probe_, mass_offset=2)[0]
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        torch._dynamo.reset()
+        q_, probe_ = q.detach().clone().requires_grad_(True), torch.zeros(q.shape[0], 5, requires_grad=True)
+        (fn(q_, probe_) * grad_out).sum().backward()
+        results.append((q_.grad, probe_.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert results[0][1].abs().max() > 0
+
+
+MASS_PROBE_BAD = {
+    "not_a_tensor": (lambda T: ([0.0] * T, 0), TypeError, r"mass_probe must be a torch.Tensor"),
+    "rows": (lambda T: (torch.zeros(T - 1, 3, dtype=torch.float64), 0), ValueError,
+             r"mass_probe must have shape \(12, \*\)"),
+    "dtype": (lambda T: (torch.zeros(T, 3), 0), ValueError, r"mass_probe must have dtype in \['torch.float64'\]"),
+    "offset_type": (lambda T: (torch.zeros(T, 3, dtype=torch.float64), 1.0), TypeError,
+                    r"mass_offset must be an int"),
+    "past_the_slots": (lambda T: (torch.zeros(T, 3, dtype=torch.float64), 4), ValueError,
+                       r"must lie within the 6 slots of indices, got slots 4 \.\. 7"),
+    "negative_offset": (lambda T: (torch.zeros(T, 3, dtype=torch.float64), -1), ValueError,
+                        r"must lie within the 6 slots"),
+}
+
+
+@pytest.mark.parametrize("case", list(MASS_PROBE_BAD))
+def test_mass_probe_bad_input(case):
+    make, error, pattern = MASS_PROBE_BAD[case]
+    q, kv, idx, sink = make_case(28)
+    probe, offset = make(q.shape[0])
+    with pytest.raises(error, match=pattern):
+        sparse_attention(q, kv, idx, sink, mass_probe=probe, mass_offset=offset)
+
+
+def test_mass_opcheck():
+    from dsv4attn.ops.sparse_attention.op import sparse_attention_backward_op, sparse_attention_op
+
+    q, kv, idx, sink, length = _compile_inputs(29, dtype=torch.float64)
+    sink = sink.double()
+    probe = torch.zeros(q.shape[0], 4, dtype=torch.float64, requires_grad=True)
+    q, kv, sink = (t.requires_grad_(True) for t in (q, kv, sink))
+    args = (q, kv, idx, sink, 0.3, length, False, "reference", None, None, probe, 3)
+    torch.library.opcheck(sparse_attention_op, args)
+    out, lse = sparse_attention_op(*args)
+    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    torch.library.opcheck(sparse_attention_backward_op, (grad_out, q.detach(), kv.detach(), idx, sink.detach(),
+                                                         out.detach(), lse, 0.3, length, True, "reference", None,
+                                                         None, 3, 4))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # sparse_attention_lse: the lse of sparse_attention without its output.
 
 @pytest.mark.parametrize("indices", ["tensor", "index-set"])

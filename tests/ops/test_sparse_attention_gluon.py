@@ -526,6 +526,45 @@ def test_gluon_backward_rows_without_slots_get_zero_gradients():
     assert torch.isfinite(d_sink).all()
 
 
+@sm90
+@pytest.mark.parametrize("T,H,K,N,offset,deterministic", [
+    (64, 64, 640, 300, 128, False),         # V4: the window's 128 slots, then the top-k's 512
+    (48, 128, 600, 1000, 100, False),       # two head blocks (two planes); a range not aligned to the tiles
+    (64, 64, 640, 300, 128, True),          # the deterministic mode (chunks of rows)
+    (26, 64, 65, 90, 1, False),             # one tile and one slot
+], ids=["v4", "two-head-blocks", "deterministic", "tile-and-one"])
+def test_gluon_backward_teacher_mass_matches_float64(T, H, K, N, offset, deterministic, monkeypatch):
+    """The one-pass backward's head-summed probabilities of slots offset .. K (``mass_slots``: the sparse indexer
+    KL's teacher) within 2x the bf16 reference's own error (both against float64, the reference given the kernel's
+    lse) + 1e-6 of the largest mass, 0 at empty slots; dq and d_sink (and the deterministic mode's dkv) bitwise as
+    without it."""
+    if deterministic:                       # several chunks of rows
+        monkeypatch.setattr(sat, "DETERMINISTIC_BUFFER_ELEMENTS", 20 * K * 512)
+    D, scale, slots = 512, 512 ** -0.5, (offset, K - offset)
+    gen = torch.Generator().manual_seed(T + K + offset)
+    q, kv, idx, sink = inputs(T, H, D, K, N, torch.bfloat16, gen)
+    grad_out = torch.randn(T, H, D, generator=gen).to("cuda", torch.bfloat16)
+    assert sat.backward_kernel(q) == "gluon"
+    out, lse = sat._sparse_attn_fwd(q, kv, idx, sink, scale)
+    base = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, deterministic=deterministic)
+    *grads, mass = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, deterministic=deterministic,
+                                        mass_slots=slots)
+    assert not variants.FAILED, variants.FAILED
+    assert torch.equal(grads[0], base[0]) and torch.equal(grads[2], base[2])
+    if deterministic:
+        assert torch.equal(grads[1], base[1])
+    low = reference_backward(grad_out, q, kv, Explicit(idx), sink, lse, scale, out=out, mass_slots=slots)[3]
+    q64, kv64, sink64 = q.double(), kv.double(), sink.double()
+    lse64 = reference_forward(q64, kv64, Explicit(idx), sink64, scale)[1]
+    exact = reference_backward(grad_out.double(), q64, kv64, Explicit(idx), sink64, lse64, scale,
+                               mass_slots=slots)[3]
+    assert mass.shape == (T, K - offset) and mass.dtype == torch.float32
+    assert torch.equal(mass[idx[:, offset:] < 0], torch.zeros_like(mass[idx[:, offset:] < 0]))
+    err_k, err_r = (mass.double() - exact).abs().max().item(), (low.double() - exact).abs().max().item()
+    assert exact.abs().max().item() > 1e-2
+    assert err_k <= 2.0 * err_r + 1e-6 * exact.abs().max().item(), f"mass: kernel {err_k:.3e}, reference {err_r:.3e}"
+
+
 def _stub_bwd(monkeypatch, gluon_error=None):
     """Backward dispatch harness: the one-pass Gluon backward looks available; its launch is recorded as "gluon" (or
     raises ``gluon_error``), Triton launches by their parts. Returns the record and _sparse_attn_bwd's arguments."""

@@ -212,6 +212,38 @@ def test_lse_only_triton_form_matches_float64_reference_v4(H, monkeypatch):
     assert (got - full)[finite].abs().max().item() <= bound
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("H", [64, 128])
+def test_triton_backward_teacher_mass_v4(H, deterministic):
+    """The Triton backward's head-summed probabilities of the top-k slots (``mass_slots = (128, 512)``: the window's
+    128 slots first, as the layers lay them out), the sparse indexer KL's teacher: error <= 2x the bf16 reference's
+    own (both against float64, the reference given the kernel's lse) + 1e-6 of the largest mass; dq, d_sink (and
+    the deterministic mode's dkv) bitwise as without it."""
+    from dsv4attn.ops.sparse_attention import triton as sat
+
+    slots = (128, 512)
+    q, kv, idx, sink, grad_out, _ = make_inputs(**{**SMALLER, "H": H}, seed=9)
+    scale = V4["D"] ** -0.5
+    out, lse = sat._sparse_attn_fwd(q, kv, idx, sink, scale)
+    config = sat.BWD_CONFIGS[V4["D"]]
+    base = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=config,
+                                deterministic=deterministic)
+    *grads, mass = sat._sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=config,
+                                        deterministic=deterministic, mass_slots=slots)
+    assert torch.equal(grads[0], base[0]) and torch.equal(grads[2], base[2])
+    if deterministic:
+        assert torch.equal(grads[1], base[1])
+    low = reference_backward(grad_out, q, kv, Explicit(idx), sink, lse, scale, out=out, mass_slots=slots)[3]
+    exact = reference_backward(grad_out.double(), q.double(), kv.double(), Explicit(idx), sink.double(),
+                               lse.double(), scale, out=out.double(), mass_slots=slots)[3]
+    assert mass.shape == (SMALLER["T"], slots[1]) and mass.dtype == torch.float32
+    assert exact.abs().max().item() > 1e-2
+    err_k = (mass.double() - exact).abs().max().item()
+    err_r = (low.double() - exact).abs().max().item()
+    bound = 2 * err_r + 1e-6 * exact.abs().max().item()
+    assert err_k <= bound, f"mass: kernel error {err_k:.3e} > bound {bound:.3e} (reference bf16 {err_r:.3e})"
+
+
 def test_reference_backend_on_cuda_is_deterministic():
     """The reference scatters dKV with index_put_(accumulate=True) on CUDA (sorted, fixed order), not atomics."""
     backend.set_backend("reference")

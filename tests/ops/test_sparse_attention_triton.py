@@ -172,6 +172,16 @@ def _run_public(q, kv, idx, sink, grad_out, **kwargs):
     return [x.detach().to(torch.float64) for x in (out, lse, q.grad, kv.grad, sink.grad)]
 
 
+def _probe_grad(q, kv, idx, sink, grad_out, offset, width):
+    """The gradient a (T, width) probe gets from the public op's backward (the teacher mass of slots offset ..)."""
+    from dsv4attn.ops import sparse_attention
+    q = q.detach().clone().requires_grad_(True)
+    probe = torch.zeros(q.shape[0], width, requires_grad=True)
+    out, _ = sparse_attention(q, kv, idx, sink, mass_probe=probe, mass_offset=offset)
+    out.backward(grad_out.to(out.dtype))
+    return probe.grad.double()
+
+
 def _lengths(T, K, seed):
     length = torch.randint(0, K + 1, (T,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
     length[0], length[1] = 0, K                                       # no slot at all; every slot
@@ -196,7 +206,7 @@ def _worker() -> None:
     from dsv4attn import backend
     from dsv4attn.ops import sparse_attention
     from dsv4attn.ops.sparse_attention import triton as sa_triton
-    from dsv4attn.ops.sparse_attention.reference import sparse_attention_reference
+    from dsv4attn.ops.sparse_attention.reference import reference_backward, sparse_attention_reference
 
     results, kernel_outputs = {}, {}
     for seed, (case_id, c) in enumerate(CASES.items()):
@@ -365,6 +375,17 @@ def _worker() -> None:
         chunked_rope = _run_public(q, kv, lazy, sink, g, output_rope=rope)
     finally:
         index_sets.CHUNK_BUDGET["cpu"] = saved_budget
+    # The teacher-mass probe through the public op: the top-k part of the set (past the window's 8 slots), one shot
+    # and in chunks of 7 rows (the probe split alike), against the float64 reference's mass.
+    mass_one_shot = _probe_grad(q, kv, lazy.materialize().to(torch.int32), sink, g, 8, lazy.width - 8)
+    index_sets.CHUNK_BUDGET["cpu"] = 7 * lazy.width
+    try:
+        mass_chunked = _probe_grad(q, kv, lazy, sink, g, 8, lazy.width - 8)
+    finally:
+        index_sets.CHUNK_BUDGET["cpu"] = saved_budget
+    lse64 = sparse_attention_reference(q.double(), kv.double(), lazy, sink.double(), D ** -0.5)[1]
+    mass64 = reference_backward(g.double(), q.double(), kv.double(), lazy, sink.double(), lse64, D ** -0.5,
+                                mass_slots=(8, lazy.width - 8))[3]
     # Every slot empty and a kv with no rows: zeros, -inf lse, zero gradients (the kernel must not read kv).
     empty = _run_public(q[:5], kv[:0], torch.full((5, 3), -1, dtype=torch.int32), sink, g[:5])
     # The lse alone (sparse_attention_lse: the forward kernel's LSE_ONLY form here, no Gluon on the CPU), lazy and
@@ -383,6 +404,8 @@ def _worker() -> None:
         out_and_lse_bitwise=torch.equal(chunked[0], one_shot[0]) and torch.equal(chunked[1], one_shot[1]),
         rotated_equals_one_shot=all(torch.allclose(a, b, rtol=1e-6, atol=1e-6)
                                     for a, b in zip(chunked_rope, one_shot_rope)),
+        mass_probe=torch.equal(mass_chunked, mass_one_shot) and mass64.abs().max().item() > 0.1
+        and (mass_one_shot - mass64).abs().max().item() <= 1e-5 * mass64.abs().max().item(),
         empty_kv_ok=bool((empty[0] == 0).all() and torch.isneginf(empty[1]).all() and (empty[2] == 0).all()
                          and empty[3].shape == (0, D)),
     )
@@ -479,21 +502,31 @@ def test_backward_teacher_mass(interpreted, case_id, layout, kind):
     _assert_within_bounds(f"{case_id} {layout} {kind} mass", m["bounds"], LAYOUT_CASES[case_id]["dtype"] != "fp32")
 
 
-def test_backward_teacher_mass_is_checked_and_not_yet_gluon(monkeypatch):
-    """A slot range outside idx raises (as the reference does), and so does asking the Gluon backward for the mass,
-    before any kernel runs (CPU tensors)."""
-    from dsv4attn.ops.sparse_attention import triton as sa_triton
+def test_backward_teacher_mass_is_checked_and_reaches_the_gluon_launch(monkeypatch):
+    """A slot range outside idx raises (as the reference does) before any kernel runs, on the Triton and the Gluon
+    path; a valid one reaches the Gluon backward's launch, whose mass is returned (CPU tensors: the launch and the
+    Delta pre-pass stubbed)."""
+    from dsv4attn.ops.sparse_attention import gluon_hopper_bwd, triton as sa_triton
     T, H, D, K = 3, 2, 64, 8
     q, g = torch.randn(T, H, D), torch.randn(T, H, D)
     kv, idx = torch.randn(5, D), torch.randint(-1, 5, (T, K), dtype=torch.int32)
     args = (q, kv, idx, torch.zeros(H), torch.randn(T, H, D), torch.zeros(T, H), g, D ** -0.5)
-    for slots in ((4, 5), (-1, 3), (0, -1)):
-        with pytest.raises(ValueError, match=r"mass_slots \(offset, width\) must lie within the 8 slots of the "
-                                             r"index set, got \(" + ", ".join(map(str, slots)) + r"\)"):
-            sa_triton._sparse_attn_bwd(*args, mass_slots=slots)
-    monkeypatch.setattr(sa_triton, "backward_kernel", lambda q_: "gluon")
-    with pytest.raises(NotImplementedError, match="the Gluon backward does not form the teacher mass"):
-        sa_triton._sparse_attn_bwd(*args, mass_slots=(2, 6))
+    launched = []
+
+    def stub(*a, mass_slots=None, **k):
+        launched.append(mass_slots)
+        return torch.full((T, mass_slots[1]), 0.5)
+    monkeypatch.setattr(gluon_hopper_bwd, "launch", stub)
+    monkeypatch.setattr(sa_triton, "_delta_from_out", lambda out, grad: torch.zeros(out.shape[:2]))  # a CPU kernel
+    for kernel in ("triton", "gluon"):
+        monkeypatch.setattr(sa_triton, "backward_kernel", lambda q_: kernel)
+        for slots in ((4, 5), (-1, 3), (0, -1)):
+            with pytest.raises(ValueError, match=r"mass_slots \(offset, width\) must lie within the 8 slots of the "
+                                                 r"index set, got \(" + ", ".join(map(str, slots)) + r"\)"):
+                sa_triton._sparse_attn_bwd(*args, mass_slots=slots)
+    assert not launched
+    *_, mass = sa_triton._sparse_attn_bwd(*args, mass_slots=(2, 6))
+    assert launched == [(2, 6)] and torch.equal(mass, torch.full((T, 6), 0.5))
 
 
 @pytest.mark.parametrize("case_id", TOPK_CASES)
@@ -522,6 +555,6 @@ def test_output_rotation_in_value_column_slices(interpreted, pairs):
 
 
 @pytest.mark.parametrize("check", ["equals_one_shot", "out_and_lse_bitwise", "rotated_equals_one_shot",
-                                   "empty_kv_ok", "lse_alone_bitwise"])
+                                   "empty_kv_ok", "lse_alone_bitwise", "mass_probe"])
 def test_index_set_chunks_and_empty_kv(interpreted, check):
     assert interpreted["chunked_index_set"][check], interpreted["chunked_index_set"]

@@ -26,7 +26,9 @@ def test_probe_indexer_loss_equals_the_layers(setup, phase):
     model, b = setup
     model.train()
     captured = []
-    model(b.tokens, b.cu_seqlens, b.max_seqlen, phase, captured=captured)       # grad on: layers compute it
+    logits = model(b.tokens, b.cu_seqlens, b.max_seqlen, phase, captured=captured)   # grad on: layers compute it
+    logits.sum().backward()                     # the sparse phase's loss is written by the backward
+    model.zero_grad(set_to_none=True)
     layer_total = model.indexer_loss()
     pack = pack_batch(b.cu_seqlens, b.tokens.shape[0], b.max_seqlen)
     probe_total = sum(probe_indexer(layer, x.detach(), pack, phase)["kl"]

@@ -5,6 +5,7 @@ import torch
 
 from ... import backend, checks
 from ..index_sets import IndexSet, as_index_set, within
+from .from_attention import indexer_kl_from_attention
 from .reference import FLT_MIN, indexer_kl_naive, indexer_kl_reference
 
 
@@ -110,4 +111,4 @@ try:  # registers the Triton kernels with the backend (used on CUDA); CPU-only i
 except ImportError:
     _triton_kernels = None
 
-__all__ = ["indexer_kl", "indexer_kl_reference", "indexer_kl_naive", "FLT_MIN"]
+__all__ = ["indexer_kl", "indexer_kl_from_attention", "indexer_kl_reference", "indexer_kl_naive", "FLT_MIN"]

@@ -94,6 +94,35 @@ def student_backward(d_scores, index_q, index_weights, keys_i, valid, operand_dt
     return d_q, d_keys.masked_fill(~valid[..., None], 0.0), d_w
 
 
+def kl_grads_from_mass_reference(mass, index_q, index_k, index_weights, candidates: IndexSet, student_scores,
+                                 weight):
+    """The sparse KL from a teacher mass formed elsewhere (the attention backward's, ``mass`` (T, C): the head-summed
+    probabilities of the candidates with the attention's full denominator) and the student logits the top-k formed
+    (``student_scores`` (T, C)), with its gradients for the loss ``weight * sum_t KL_t``: returns kl (T,), d index_q,
+    d index_k, d index_weights, all in the compute dtype (fp32, fp64 for fp64 ``index_q``), chunk by chunk of rows.
+    The same formulas as :func:`indexer_kl_reference`'s full form, with the mass given instead of formed."""
+    T = index_q.shape[0]
+    cd = torch.promote_types(index_q.dtype, torch.float32)
+    operand_dtype = torch.promote_types(index_q.dtype, index_k.dtype)
+    kl = torch.zeros(T, dtype=cd, device=index_q.device)
+    d_q = torch.zeros(index_q.shape, dtype=cd, device=index_q.device)
+    d_k = torch.zeros(index_k.shape, dtype=cd, device=index_k.device)
+    d_w = torch.zeros(index_weights.shape, dtype=cd, device=index_q.device)
+    for s, e in chunk_rows(T, candidates.width * (index_q.shape[1] + index_q.shape[2]), device=index_q.device):
+        cand = candidates.rows(s, e)
+        valid = cand >= 0
+        log_q = student_log_probs(student_scores[s:e].to(cd).masked_fill(~valid, float("-inf")), valid)
+        kl[s:e], target = kl_from_mass(mass[s:e].to(cd), log_q)
+        student = torch.where(valid, log_q.exp(), torch.zeros_like(log_q))
+        d_scores = weight.to(cd) * (student * target.sum(-1, keepdim=True) - target)
+        keys_i = gather_rows(index_k, cand).to(cd)
+        d_q[s:e], d_keys, d_w[s:e] = student_backward(d_scores, index_q[s:e], index_weights[s:e], keys_i, valid,
+                                                      operand_dtype)
+        if d_k.shape[0]:
+            d_k.index_add_(0, cand.clamp(min=0).flatten(), d_keys.flatten(0, 1))
+    return kl, d_q, d_k, d_w
+
+
 class _IndexerKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, index_q, index_k, index_weights, q, compressed_kv, outside_lse, candidates: IndexSet,

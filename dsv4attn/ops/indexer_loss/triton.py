@@ -1127,6 +1127,31 @@ def indexer_kl_triton(index_q: torch.Tensor, index_k: torch.Tensor, index_weight
                                    student_scores)[0])
 
 
+def kl_grads_from_mass_triton(mass, index_q, index_k, index_weights, candidates: torch.Tensor, student_scores,
+                              weight):
+    """:func:`.reference.kl_grads_from_mass_reference` on the kernels: kl (T,) fp32, d index_q in ``index_q``'s
+    dtype (fp32 for mixed index dtypes), d index_k (Nc, Di) fp32, d index_weights fp32. ``candidates`` (T, K) int,
+    ``mass`` and ``student_scores`` (T, K) float, ``weight`` a () tensor. The full-denominator forward runs with
+    both the mass and the student logits given (it then reads no teacher operand and no indexer key: one-row stand-ins
+    serve as the teacher's pointers, and a (T, 1) zero stands for the denominators it copies to its unread
+    ``full2``), keeping dKL/dI for the saved-gradient backward (the Gluon kernel on SM90)."""
+    qi, ki = (x.contiguous() for x in _common_dtype(index_q, index_k))
+    T, K = candidates.shape
+    if ki.shape[0] == 0:                        # every slot empty: the kernels want a real pointer
+        ki = ki.new_zeros(1, ki.shape[1])
+    stand_in = qi.new_zeros(1, 1, 16)
+    operands = (qi, ki, index_weights.float().contiguous(), stand_in.expand(T, 1, 16), stand_in[0])
+    idx = candidates.to(torch.int32).contiguous()
+    chunks = _row_chunks(idx, row_ends(idx))
+    with backend.exact_math(index_q.device):
+        kl, full2, rowstat, g = _kl_forward(operands, qi.new_zeros(T, 1, dtype=torch.float32), chunks, K, 1.0, True,
+                                            FWD_CONFIG, full=True, mass=mass.float().contiguous(),
+                                            scores=student_scores)
+        grad = weight.float().expand(T).contiguous()
+        d_qi, d_ki, d_w = _kl_backward(grad, operands, full2, rowstat, g, chunks, K, 1.0, dict(BWD_CONFIG))
+    return kl, d_qi, d_ki[:index_k.shape[0]], d_w
+
+
 def _bwd_config(bwd_tiles) -> dict:
     config = dict(zip(BWD_KEYS, bwd_tiles))
     return dict(config, KERNEL=variants.MODES[config["KERNEL"]])
@@ -1153,6 +1178,7 @@ variants.register(
                      variants.always))
 backend.register_kernel("indexer_kl", indexer_kl_triton)
 
-__all__ = ["indexer_kl_triton", "indexer_kl_op", "indexer_kl_backward_op", "indexer_kl_ranges_op",
+__all__ = ["indexer_kl_triton", "kl_grads_from_mass_triton", "indexer_kl_op", "indexer_kl_backward_op",
+           "indexer_kl_ranges_op",
            "indexer_kl_ranges_backward_op", "FWD_CONFIG", "BWD_CONFIG", "FWD_KEYS",
            "BWD_KEYS", "SAVE_G_MAX_WIDTH", "SAVE_G_BUDGET"]

@@ -14,7 +14,8 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet, attn_sink: torch.Tensor,
                      softmax_scale: float | None = None, *, topk_length: torch.Tensor | None = None,
-                     deterministic: bool = False, output_rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+                     deterministic: bool = False, output_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     mass_probe: torch.Tensor | None = None, mass_offset: int = 0):
     """One softmax per (row, head) over the keys ``indices[t]`` plus the sink logit (docs/semantics.md, decision 5).
 
     Args:
@@ -41,6 +42,14 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
             the reference rounds ``out``, then rotates (:func:`dsv4attn.rope.apply_rope`). Not differentiable in
             ``inv_freq`` (on the layer it is a buffer); ``inv_freq`` must be on ``q``'s device too (a CUDA-graph
             capture cannot copy it there).
+        mass_probe: optional (T, W) tensor in the compute dtype (fp32; fp64 for fp64 ``q``), and ``mass_offset``
+            an int with ``mass_offset + W <= K``: a channel, not an input. The forward never reads it; if it
+            requires grad, the backward hands it, as its gradient, the head-summed probabilities
+            ``sum_h p[t, h, mass_offset + j]`` (j < W, 0 at empty slots, normalised by the full denominator with
+            the sink): the sparse indexer KL's teacher mass when those slots are the top-k, formed by the backward
+            kernels from the probabilities they form anyway. The node that made the probe
+            (:func:`dsv4attn.ops.indexer_kl_from_attention`) turns it into the KL's gradient. Every backend forms
+            it (the Gluon and Triton backwards in the pass that forms dq, the reference from its probabilities).
     Returns:
         out: (T, H, D) in ``q.dtype``; rows without a valid index give 0.
         lse: (T, H) fp32 (fp64 for fp64 inputs), natural log, **excluding** the sink; ``-inf`` for empty rows.
@@ -60,6 +69,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if output_rope is not None:
         _check_output_rope(output_rope, T, D, q.device)
+    if mass_probe is not None:
+        _check_mass_probe(mass_probe, mass_offset, q, width)
     scale = checks.check_scale(softmax_scale, D)
     if checks.values_readable():                    # the debug mode ("values"): raise where the default masks
         if isinstance(indices, torch.Tensor):
@@ -74,8 +85,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
 
     if backend.choose("sparse_attention", q.device) == "triton":
         return backend.kernel("sparse_attention")(q, kv, indices, attn_sink, scale, topk_length=topk_length,
-                                                  deterministic=deterministic, output_rope=output_rope)
-    return run(q, kv, indices, attn_sink, scale, topk_length, deterministic, "reference", output_rope)
+                                                  deterministic=deterministic, output_rope=output_rope,
+                                                  mass_probe=mass_probe, mass_offset=mass_offset)
+    return run(q, kv, indices, attn_sink, scale, topk_length, deterministic, "reference", output_rope, mass_probe,
+               mass_offset)
 
 
 def sparse_attention_lse(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet,
@@ -143,6 +156,16 @@ def _check_output_rope(output_rope, T: int, D: int, device) -> None:
     if 2 * inv_freq.shape[0] > D:
         raise ValueError(f"output_rope inv_freq of length {inv_freq.shape[0]} rotates {2 * inv_freq.shape[0]} "
                          f"channels, more than q's head dim {D}")
+
+
+def _check_mass_probe(probe, offset, q: torch.Tensor, width: int) -> None:
+    cd = torch.promote_types(q.dtype, torch.float32)
+    checks.check_tensor("mass_probe", probe, shape=(q.shape[0], None), dtypes=(cd,), device=q.device)
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"mass_offset must be an int, got {type(offset).__name__}")
+    if offset < 0 or offset + probe.shape[1] > width:
+        raise ValueError(f"mass_offset + mass_probe.shape[1] must lie within the {width} slots of indices, got slots "
+                         f"{offset} .. {offset + probe.shape[1]}")
 
 
 def _check_topk_length_range(topk_length: torch.Tensor, width: int) -> None:

@@ -28,6 +28,9 @@ Layout: one program per (query row, 64-head block), three warpgroups (``gl.warp_
   (M = 64 slots), added to an fp32 accumulator with 16-byte reductions over whole 128-byte lines (each thread's four
   values of a 16-column group stored adjacently, a column permutation the post-pass undoes); releases P / dS.
 
+With ``mass_slots`` (the sparse indexer KL's teacher, :func:`launch`) the softmax warpgroup also stores each tile's
+column sums of P over the requested slots into its head block's plane (a ``DO_MASS`` form of the kernel).
+
 The tensor-core work splits evenly: 2.5 of the tile's five products per consumer. dq stays in fp32 registers for the
 whole loop (each consumer holds its 64 x 256 half) and leaves through the kv stage's shared memory (free after the
 last tile) for whole-row stores. Gluon kernels run only on the GPU: the GPU tests compare this backward with the
@@ -77,8 +80,10 @@ if IMPORTED:
     BLOCK_H_C = gl.constexpr(BLOCK_H)
 
     @gluon.jit
-    def _bwd_producer(Q, DO, KV, IDX, nb, H, K, t, hb, q_smem, do_smem, ring, full, empty, D: gl.constexpr,
+    def _bwd_producer(Q, DO, KV, IDX, NEND, H, K, q_smem, do_smem, ring, full, empty, D: gl.constexpr,
                       BLOCK_N: gl.constexpr):
+        t, hb = program_row(H)
+        nb = row_blocks(NEND, t, BLOCK_N)
         copy_heads(Q, H, t, hb, q_smem, D)
         copy_heads(DO, H, t, hb, do_smem, D)
         gluon_common.async_copy.commit_group()      # the first full[] arrival covers these copies too
@@ -94,9 +99,14 @@ if IMPORTED:
         do_smem.store(rotate_channel_pairs(x, COS, SIN, t, D - RW, D, ROPE, 1).to(do_smem.dtype))
 
     @gluon.jit
-    def _bwd_softmax(IDX, nb, DQ, DENOM2, DELTA, COS, SIN, H, K, qk_scale_log2, scale, t, hb, q_all, do_all, ring,
-                     p_buf, ds_buf, full, empty, pready, pfree, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                     ROPE: gl.constexpr, RW: gl.constexpr):
+    def _bwd_softmax(IDX, NEND, DQ, DENOM2, DELTA, COS, SIN, MASS, H, K, KT, OFF, qk_scale_log2, scale, q_all,
+                     do_all, ring, p_buf, ds_buf, full, empty, pready, pfree, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                     ROPE: gl.constexpr, RW: gl.constexpr, DO_MASS: gl.constexpr):
+        # DO_MASS: also stores sum_h p of each slot OFF .. OFF + KT into this head block's plane of MASS (T, H / 64,
+        # KT) fp32 (the sparse indexer KL's teacher); tiles past the row's last valid slot are not visited (the
+        # caller's zeros stay).
+        t, hb = program_row(H)
+        nb = row_blocks(NEND, t, BLOCK_N)
         HALF: gl.constexpr = D // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -127,6 +137,9 @@ if IMPORTED:
             dp = warpgroup_mma(do_all.index(z), kv_t, s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s])
             p = gl.where((idx >= 0)[None, :], gl.exp2(s * qk_scale_log2 - denom2[:, None]), 0.0)
+            if DO_MASS:
+                j = n - OFF
+                gl.store(MASS + (t * (H // BLOCK_H_C) + hb) * KT + j, gl.sum(p, 0), mask=(j >= 0) & (j < KT))
             dp = warpgroup_mma_wait(0, deps=[dp])
             ds = p * (dp - delta[:, None]) * scale
             # The dKV warpgroup is done with this buffer pair's tile b - 2.
@@ -141,8 +154,10 @@ if IMPORTED:
         store_heads(dq, DQ, t, H, hb, 0, ring.index(0).slice(0, HALF, dim=1), D)
 
     @gluon.jit
-    def _bwd_dkv(IDX, nb, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready, pfree,
+    def _bwd_dkv(IDX, NEND, DQ, DKV, H, K, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready, pfree,
                  D: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, DETERMINISTIC: gl.constexpr):
+        t, hb = program_row(H)
+        nb = row_blocks(NEND, t, BLOCK_N)
         HALF: gl.constexpr = D // 2
         CHUNKS: gl.constexpr = D // CHUNK
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -202,12 +217,12 @@ if IMPORTED:
         store_heads(dq, DQ, t, H, hb, HALF, ring.index(0).slice(HALF, HALF, dim=1), D)
 
     @gluon.jit
-    def _sparse_attn_bwd_gluon(Q, DO, KV, IDX, NEND, DENOM2, DELTA, DQ, DKV, COS, SIN, H, K, qk_scale_log2, scale,
-                               D: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr,
-                               REGS: gl.constexpr, ROPE: gl.constexpr, RW: gl.constexpr,
-                               DETERMINISTIC: gl.constexpr):
-        t, hb = program_row(H)
-        nb = row_blocks(NEND, t, BLOCK_N)       # up to the row's last valid slot
+    def _sparse_attn_bwd_gluon(Q, DO, KV, IDX, NEND, DENOM2, DELTA, DQ, DKV, COS, SIN, MASS, H, K, KT, OFF,
+                               qk_scale_log2, scale, D: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr,
+                               num_warps: gl.constexpr, REGS: gl.constexpr, ROPE: gl.constexpr, RW: gl.constexpr,
+                               DETERMINISTIC: gl.constexpr, DO_MASS: gl.constexpr):
+        # Each partition derives its row, head block and tile count (up to the row's last valid slot) itself: handed
+        # over from here they took registers in all three (spills 44 -> 28 bytes on Triton 3.6).
         dtype: gl.constexpr = Q.dtype.element_ty
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H_C, D], dtype)
         q_all = gl.allocate_shared_memory(dtype, [1, BLOCK_H_C, D], x_layout)
@@ -222,52 +237,60 @@ if IMPORTED:
         pready = mbarriers(2, 1)
         pfree = mbarriers(2, 128)       # the dKV warpgroup's threads
         gl.warp_specialize([
-            (_bwd_softmax, (IDX, nb, DQ, DENOM2, DELTA, COS, SIN, H, K, qk_scale_log2, scale, t, hb, q_all, do_all,
-                            ring, p_buf, ds_buf, full, empty, pready, pfree, D, BLOCK_N, ROPE, RW)),
-            (_bwd_dkv, (IDX, nb, DQ, DKV, H, K, t, hb, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready,
-                        pfree, D, BLOCK_N, CHUNK, DETERMINISTIC)),
-            (_bwd_producer, (Q, DO, KV, IDX, nb, H, K, t, hb, q_all.index(0), do_all.index(0), ring, full, empty, D,
+            (_bwd_softmax, (IDX, NEND, DQ, DENOM2, DELTA, COS, SIN, MASS, H, K, KT, OFF, qk_scale_log2, scale, q_all,
+                            do_all, ring, p_buf, ds_buf, full, empty, pready, pfree, D, BLOCK_N, ROPE, RW, DO_MASS)),
+            (_bwd_dkv, (IDX, NEND, DQ, DKV, H, K, q_all, do_all, ring, p_buf, ds_buf, full, empty, pready, pfree, D,
+                        BLOCK_N, CHUNK, DETERMINISTIC)),
+            (_bwd_producer, (Q, DO, KV, IDX, NEND, H, K, q_all.index(0), do_all.index(0), ring, full, empty, D,
                              BLOCK_N))],
             [4, 4], [REGS[0], REGS[1]])
 
 
-def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None, rope=None, deterministic_rows=None):
+def launch(q, do, kv, idx, denom2, delta, dq, dkv, scale, config=None, rope=None, deterministic_rows=None,
+           mass_slots=None):
     """Fills ``dq`` (T, H, D) and adds to ``dkv`` (N, D) fp32 (module docstring; T >= 1, N >= 1).
     ``config``: :data:`BWD_CONFIG` keys. ``rope``: None or the (T, R/2) fp32 (cos, sin) tables of the forward's
     output rotation: ``do`` is in that frame and is rotated forward once it is in shared memory.
     ``deterministic_rows``: None adds dKV with float atomics (their order varies between runs); a row count makes
     dKV bitwise repeatable: the kernel runs over chunks of that many query rows, stores each (head block, row, slot)
     contribution to a buffer (``H / 64 * rows * K * D`` fp32) and :func:`.segment_sum.add_rows_by_key` adds the
-    buffer into dKV key by key in a fixed order, chunk after chunk. dq is the same in both modes."""
+    buffer into dKV key by key in a fixed order, chunk after chunk. dq is the same in both modes.
+    ``mass_slots = (offset, width)``: also returns the (T, width) fp32 head-summed probabilities of those slots (the
+    sparse indexer KL's teacher), one plane per 64-head block summed in a fixed order; None without."""
     unknown = sorted(set(config or {}) - set(BWD_CONFIG))
     if unknown:
         raise ValueError(f"Gluon backward config: unknown keys {unknown}; expected some of {sorted(BWD_CONFIG)}")
     cfg = dict(BWD_CONFIG, **(config or {}))
     T, H, D = q.shape
     K = idx.shape[1]
+    offset, width = mass_slots if mass_slots is not None else (0, 0)
+    num_hb = H // BLOCK_H
+    # Zeros: tiles past a row's last valid slot store nothing. Without the mass, never touched.
+    planes = denom2 if mass_slots is None else torch.zeros(T, num_hb, width, dtype=torch.float32, device=q.device)
     if K == 0:                  # no slot anywhere: zero gradients (the consumers need at least one tile)
         dq.zero_()
-        return
+        return None if mass_slots is None else planes.sum(1)
     cos, sin = rope if rope is not None else (q, q)        # never read without RoPE channels (ROPE = 0)
     pairs = 0 if rope is None else cos.shape[1]
     n_end = row_ends(idx)
-    num_hb = H // BLOCK_H
 
     def rows(s, e, out, deterministic):
         # Row slices are views: the kernel sees chunk-local row numbers.
         _sparse_attn_bwd_gluon[((e - s) * num_hb,)](
             q[s:e], do[s:e], kv, idx[s:e], n_end[s:e], denom2[s:e], delta[s:e], dq[s:e], out, cos[s:e], sin[s:e],
-            H, K, scale * LOG2E, scale, D=D, BLOCK_N=BLOCK_N, CHUNK=cfg["CHUNK"], num_warps=4,
-            REGS=tuple(cfg["REGS"]), ROPE=pairs, RW=rotated_width(pairs), DETERMINISTIC=deterministic)
+            planes[s:e], H, K, width, offset, scale * LOG2E, scale, D=D, BLOCK_N=BLOCK_N, CHUNK=cfg["CHUNK"],
+            num_warps=4, REGS=tuple(cfg["REGS"]), ROPE=pairs, RW=rotated_width(pairs), DETERMINISTIC=deterministic,
+            DO_MASS=mass_slots is not None)
 
     if deterministic_rows is None:
         acc = torch.zeros_like(dkv)             # dKV with each 16-column group permuted (see _bwd_dkv)
         rows(0, T, acc, False)
         add_unpermuted(dkv, acc)
-        return
+        return None if mass_slots is None else planes.sum(1)
     step = max(1, min(T, int(deterministic_rows)))
     buf = torch.empty(num_hb * step * K * D, dtype=torch.float32, device=q.device)     # columns in natural order
     for s in range(0, T, step):
         e = min(s + step, T)
         rows(s, e, buf, True)
         add_rows_by_key(dkv, idx[s:e], buf, num_hb)
+    return None if mass_slots is None else planes.sum(1)

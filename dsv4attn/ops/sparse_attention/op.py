@@ -58,10 +58,14 @@ def _rope(positions: Optional[torch.Tensor], inv_freq: Optional[torch.Tensor]):
 def sparse_attention_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, attn_sink: torch.Tensor,
                         softmax_scale: float, topk_length: Optional[torch.Tensor], deterministic: bool,
                         impl: str, rope_positions: Optional[torch.Tensor] = None,
-                        rope_inv_freq: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        rope_inv_freq: Optional[torch.Tensor] = None, mass_probe: Optional[torch.Tensor] = None,
+                        mass_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of :func:`dsv4attn.ops.sparse_attention` for (T, K) tensor indices, arguments already checked.
 
     ``deterministic`` only affects the backward; ``impl`` names the backend ("reference" or "triton").
+    ``mass_probe`` (T, W) fp32 (fp64 for fp64 ``q``) and ``mass_offset``: the forward does not read the probe; the
+    backward hands the head-summed probabilities of slots ``mass_offset .. mass_offset + W`` to it as its gradient
+    (the sparse indexer KL's teacher, :func:`dsv4attn.ops.sparse_attention`).
     ``rope_positions`` (T,) and ``rope_inv_freq`` (R/2,): the output comes rotated back by ``-positions * inv_freq``
     on its last R channels (``output_rope``: the kernels rotate before their one rounding, the reference rounds,
     then rotates with :func:`dsv4attn.rope.apply_rope`).
@@ -81,7 +85,7 @@ def sparse_attention_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
 
 @sparse_attention_op.register_fake
 def _sparse_attention_fake(q, kv, indices, attn_sink, softmax_scale, topk_length, deterministic, impl,
-                           rope_positions=None, rope_inv_freq=None):
+                           rope_positions=None, rope_inv_freq=None, mass_probe=None, mass_offset=0):
     T, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((T, H), dtype=torch.promote_types(q.dtype, torch.float32))
 
@@ -91,10 +95,14 @@ def sparse_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, kv: to
                                  attn_sink: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, softmax_scale: float,
                                  topk_length: Optional[torch.Tensor], deterministic: bool,
                                  impl: str, rope_positions: Optional[torch.Tensor] = None,
-                                 rope_inv_freq: Optional[torch.Tensor] = None
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                 rope_inv_freq: Optional[torch.Tensor] = None, mass_offset: int = 0,
+                                 mass_width: int = 0
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq ``q.dtype``, dkv ``kv.dtype``, d_attn_sink ``attn_sink.dtype`` from the forward's saved ``out`` and ``lse``
-    (the one-pass GPU backward forms Delta = rowsum(dO * out) from ``out``; the other backends recompute it).
+    (the one-pass GPU backward forms Delta = rowsum(dO * out) from ``out``; the other backends recompute it), and
+    the (T, ``mass_width``) head-summed probabilities of slots ``mass_offset .. mass_offset + mass_width``
+    (the sparse indexer KL's teacher mass, fp32 (fp64 for fp64 ``q``); (T, 0) when ``mass_width`` is 0, and then
+    not formed).
 
     With the output rotation, ``grad_out`` and ``out`` are in the rotated frame: the gradient is rotated forward
     (by ``+positions * inv_freq``, rounded to its dtype) before the attention's backward; Delta, a sum of per-head
@@ -103,26 +111,41 @@ def sparse_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, kv: to
     """
     idx = limit_slots(indices, topk_length)
     rope = _rope(rope_positions, rope_inv_freq)
+    slots = (mass_offset, mass_width) if mass_width else None
     with backend.exact_math(q.device):
         kernels = _kernels(q, impl)
         if kernels is not None:
-            return kernels[2](grad_out, q, kv, idx, attn_sink, out, lse, softmax_scale, deterministic, rope)
-        if rope is not None:
-            grad_out = apply_rope(grad_out, *rope)
-        dq, dkv, dsink = reference_backward(grad_out, q, kv, Explicit(idx), attn_sink, lse, softmax_scale)
-        return dq.contiguous(), dkv.contiguous(), dsink.contiguous()
+            grads = kernels[2](grad_out, q, kv, idx, attn_sink, out, lse, softmax_scale, deterministic, rope, slots)
+        else:
+            if rope is not None:
+                grad_out = apply_rope(grad_out, *rope)
+            grads = reference_backward(grad_out, q, kv, Explicit(idx), attn_sink, lse, softmax_scale,
+                                       mass_slots=slots)
+            grads = tuple(g.contiguous() for g in grads)
+    return grads if slots else (*grads, _mass_like(q, 0))
+
+
+def _mass_like(q: torch.Tensor, width: int) -> torch.Tensor:
+    """An empty (T, width) teacher mass in the compute dtype (fp32, fp64 for fp64 ``q``)."""
+    return q.new_empty(q.shape[0], width, dtype=torch.promote_types(q.dtype, torch.float32))
 
 
 @sparse_attention_backward_op.register_fake
 def _sparse_attention_backward_fake(grad_out, q, kv, indices, attn_sink, out, lse, softmax_scale, topk_length,
-                                    deterministic, impl, rope_positions=None, rope_inv_freq=None):
-    return q.new_empty(q.shape), kv.new_empty(kv.shape), attn_sink.new_empty(attn_sink.shape)
+                                    deterministic, impl, rope_positions=None, rope_inv_freq=None, mass_offset=0,
+                                    mass_width=0):
+    return (q.new_empty(q.shape), kv.new_empty(kv.shape), attn_sink.new_empty(attn_sink.shape),
+            _mass_like(q, mass_width))
 
 
 def _setup_context(ctx, inputs, output):
-    q, kv, indices, attn_sink, softmax_scale, topk_length, deterministic, impl, positions, inv_freq = inputs
+    (q, kv, indices, attn_sink, softmax_scale, topk_length, deterministic, impl, positions, inv_freq, probe,
+     mass_offset) = inputs
     ctx.save_for_backward(q, kv, indices, attn_sink, output[0], output[1], topk_length, positions, inv_freq)
     ctx.softmax_scale, ctx.deterministic, ctx.impl = softmax_scale, deterministic, impl
+    # The mass is formed only when the probe's channel is wanted (a probe that does not require grad costs nothing).
+    ctx.mass_offset = mass_offset
+    ctx.mass_width = probe.shape[1] if probe is not None and ctx.needs_input_grad[10] else 0
     ctx.mark_non_differentiable(output[1])
 
 
@@ -130,9 +153,11 @@ def _backward(ctx, grad_out, _grad_lse):
     q, kv, indices, attn_sink, out, lse, topk_length, positions, inv_freq = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(q)
-    dq, dkv, dsink = sparse_attention_backward_op(grad_out, q, kv, indices, attn_sink, out, lse, ctx.softmax_scale,
-                                                  topk_length, ctx.deterministic, ctx.impl, positions, inv_freq)
-    return dq, dkv, None, dsink, None, None, None, None, None, None
+    dq, dkv, dsink, mass = sparse_attention_backward_op(grad_out, q, kv, indices, attn_sink, out, lse,
+                                                        ctx.softmax_scale, topk_length, ctx.deterministic, ctx.impl,
+                                                        positions, inv_freq, ctx.mass_offset, ctx.mass_width)
+    # The probe's "gradient" is the teacher mass (a channel to the indexer KL's node, not a derivative).
+    return dq, dkv, None, dsink, None, None, None, None, None, None, mass if ctx.mass_width else None, None
 
 
 sparse_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -181,15 +206,17 @@ def run_lse(q, kv, indices, scale: float, impl: str) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: bool, impl: str, output_rope=None):
+def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: bool, impl: str, output_rope=None,
+        mass_probe=None, mass_offset: int = 0):
     """The op on backend ``impl`` for tensor or :class:`IndexSet` indices (arguments already checked);
-    ``output_rope``: None or (positions, inv_freq) of the output's inverse RoPE."""
+    ``output_rope``: None or (positions, inv_freq) of the output's inverse RoPE; ``mass_probe`` / ``mass_offset``:
+    see :func:`sparse_attention_op`."""
     positions, inv_freq = output_rope if output_rope is not None else (None, None)
     with backend.exact_math(q.device):
         if isinstance(indices, IndexSet):
             index_set = indices if topk_length is None else _FirstSlots(indices, topk_length)
             if impl == "reference":                 # chunk by chunk: never materialises (T, K) indices
-                out, lse = sparse_attention_reference(q, kv, index_set, attn_sink, scale)
+                out, lse = sparse_attention_reference(q, kv, index_set, attn_sink, scale, mass_probe, mass_offset)
                 if _rope(positions, inv_freq) is not None:      # not differentiable in inv_freq, as the op
                     out = apply_rope(out, positions, inv_freq.detach(), inverse=True)
                 return out, lse
@@ -198,17 +225,21 @@ def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: boo
             chunks = list(chunk_rows(q.shape[0], index_set.width, device=q.device)) or [(0, 0)]
             # q whole, or split (its backward is one concatenation): a slice q[s:e] costs its backward a zero-filled
             # copy of the whole of q per chunk, 2 GiB each at T = 32K with 64 heads of 512, even for q[0:T].
-            pieces = [q] if len(chunks) == 1 else q.split([e - s for s, e in chunks])
+            sizes = [e - s for s, e in chunks]
+            pieces = [q] if len(chunks) == 1 else q.split(sizes)
+            # The probe split the same way (its backward is one concatenation of the chunks' masses).
+            probes = ([None] * len(chunks) if mass_probe is None else [mass_probe] if len(chunks) == 1
+                      else mass_probe.split(sizes))
             # int32 asked for and formed directly; .to() is free then, and keeps a subclass that ignores dtype safe.
             parts = [sparse_attention_op(piece, kv, index_set.rows(s, e, torch.int32).to(torch.int32), attn_sink,
                                          scale, None, deterministic, impl,
-                                         None if positions is None else positions[s:e], inv_freq)
-                     for piece, (s, e) in zip(pieces, chunks)]
+                                         None if positions is None else positions[s:e], inv_freq, probe, mass_offset)
+                     for piece, probe, (s, e) in zip(pieces, probes, chunks)]
             if len(parts) == 1:
                 return parts[0]
             return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
         return sparse_attention_op(q, kv, indices, attn_sink, scale, topk_length, deterministic, impl, positions,
-                                   inv_freq)
+                                   inv_freq, mass_probe, mass_offset)
 
 
 class _FirstSlots(IndexSet):

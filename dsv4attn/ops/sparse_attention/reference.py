@@ -149,24 +149,28 @@ class _SparseAttention(torch.autograd.Function):
     """Autograd for lazy :class:`IndexSet` inputs (tensor indices go through the registered op instead)."""
 
     @staticmethod
-    def forward(ctx, q, kv, attn_sink, index_set: IndexSet, scale: float):
+    def forward(ctx, q, kv, attn_sink, index_set: IndexSet, scale: float, mass_probe, mass_offset: int):
         out, lse = reference_forward(q, kv, index_set, attn_sink, scale)
         ctx.save_for_backward(q, kv, attn_sink, lse)
         ctx.index_set, ctx.scale = index_set, scale
+        wanted = mass_probe is not None and ctx.needs_input_grad[5]
+        ctx.mass_slots = (mass_offset, mass_probe.shape[1]) if wanted else None
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, kv, attn_sink, lse = ctx.saved_tensors
-        dq, dkv, dsink = reference_backward(grad_out, q, kv, ctx.index_set, attn_sink, lse, ctx.scale)
-        return dq, dkv, dsink, None, None
+        dq, dkv, dsink, *mass = reference_backward(grad_out, q, kv, ctx.index_set, attn_sink, lse, ctx.scale,
+                                                   mass_slots=ctx.mass_slots)
+        return dq, dkv, dsink, None, None, mass[0] if mass else None, None
 
 
 def sparse_attention_reference(q: torch.Tensor, kv: torch.Tensor, index_set: IndexSet, attn_sink: torch.Tensor,
-                               softmax_scale: float):
-    """Reference implementation behind :func:`dsv4attn.ops.sparse_attention` (arguments already checked)."""
-    return _SparseAttention.apply(q, kv, attn_sink, index_set, softmax_scale)
+                               softmax_scale: float, mass_probe: torch.Tensor | None = None, mass_offset: int = 0):
+    """Reference implementation behind :func:`dsv4attn.ops.sparse_attention` (arguments already checked);
+    ``mass_probe`` gets the teacher mass of slots ``mass_offset ..`` as its gradient (the op's ``mass_probe``)."""
+    return _SparseAttention.apply(q, kv, attn_sink, index_set, softmax_scale, mass_probe, mass_offset)
 
 
 def sparse_attention_naive(q, kv, indices, attn_sink, softmax_scale):

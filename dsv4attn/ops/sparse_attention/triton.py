@@ -450,8 +450,7 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
                      mass_slots=None):
     """Returns dq (T, H, D) q.dtype, dkv (N, D) fp32, d_sink (H,) fp32; with ``mass_slots = (offset, width)`` also,
     fourth, the (T, width) fp32 head-summed probabilities of slots offset .. offset + width (the sparse indexer KL's
-    teacher mass, :func:`.reference.reference_backward`'s), from the Triton kernel (the Gluon one does not form it
-    yet: asking for it there raises).
+    teacher mass, :func:`.reference.reference_backward`'s), formed by either backward kernel from its probabilities.
 
     ``out``: the forward's output (T, H, D), in its dtype: Delta = rowsum(dO * out) comes from it in both backwards.
     ``rope``: the (cos, sin) tables when the forward rotated its output (``out`` and ``grad_out`` in that frame):
@@ -464,16 +463,14 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
     mass = None
     if mass_slots is not None:                  # checked before any work
         check_mass_slots(mass_slots, idx.shape[1])
-        if gluon:
-            raise NotImplementedError("the Gluon backward does not form the teacher mass (mass_slots) yet; pass a "
-                                      "Triton config (BWD_CONFIGS) to take the Triton kernel")
     denom = torch.logaddexp(lse, sink[None, :])                 # full denominator, includes the sink
     denom2 = (denom * LOG2E).contiguous()
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     delta = _delta_from_out(out, grad_out)
     if T > 0:
-        ran_gluon = gluon and _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope, deterministic)
+        ran_gluon, mass = _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope, deterministic,
+                                     mass_slots) if gluon else (False, None)
         if not ran_gluon:
             config = dict(config or BWD_CONFIGS[D])
             layout = config.pop("LAYOUT", None)
@@ -491,26 +488,29 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
     return dq, dkv, d_sink, mass
 
 
-def _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope=None, deterministic=False) -> bool:
-    """The one-pass Gluon backward into ``dq`` and ``dkv``; False if this Triton cannot build the kernel (warned
-    once per D and dtype; the caller then runs the Triton kernel). ``deterministic``: dKV through the per-slot
-    buffer, in chunks of rows sized as the Triton kernel's."""
+def _gluon_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, rope=None, deterministic=False,
+               mass_slots=None) -> tuple[bool, torch.Tensor | None]:
+    """The one-pass Gluon backward into ``dq`` and ``dkv``: (True, the teacher mass of ``mass_slots`` or None), or
+    (False, None) if this Triton cannot build the kernel (warned once per D and dtype; the caller then runs the
+    Triton kernel). ``deterministic``: dKV through the per-slot buffer, in chunks of rows sized as the Triton
+    kernel's."""
     kv_read = kv if kv.shape[0] > 0 else kv.new_zeros(1, q.shape[2])   # empty slots are never read
     T, H, D = q.shape
     rows = _deterministic_rows(T, H // gluon_hopper_bwd.BLOCK_H, idx.shape[1], D) if deterministic else None
     try:
-        gluon_hopper_bwd.launch(q, grad_out, kv_read, idx, denom2, delta, dq, dkv, scale, rope=rope,
-                                deterministic_rows=rows)
+        mass = gluon_hopper_bwd.launch(q, grad_out, kv_read, idx, denom2, delta, dq, dkv, scale, rope=rope,
+                                       deterministic_rows=rows, mass_slots=mass_slots)
     except Exception as exc:
         if variants.strict():
             raise
-        # Keyed by (D, dtype) only: the deterministic form is the same source with plain stores in place of the
-        # reductions, so a build failure of either form is taken as this Triton not building the kernel.
+        # Keyed by (D, dtype) only: the deterministic and mass forms are the same source with plain stores in place
+        # of the reductions or one more store, so a build failure of any form is taken as this Triton not building
+        # the kernel (the offline build tests cover each form on every supported Triton).
         variants.note_gluon_build_failure(exc, "sparse_attention", "backward", (q.shape[2], q.dtype),
                                           "using the Triton backward")
         dkv.zero_()
-        return False
-    return True
+        return False, None
+    return True, mass
 
 
 def _deterministic_rows(T: int, num_hb: int, K: int, D: int) -> int:
@@ -577,15 +577,18 @@ def triton_forward(q, kv, idx, attn_sink, scale: float, rope=None):
     return _sparse_attn_fwd(q, kv, idx, attn_sink.float().contiguous(), scale, rope=tables)
 
 
-def triton_backward(grad_out, q, kv, idx, attn_sink, out, lse, scale: float, deterministic: bool, rope=None):
-    """The registered op's backward on this backend: dq ``q.dtype``, dkv ``kv.dtype``, d_sink ``attn_sink.dtype``."""
+def triton_backward(grad_out, q, kv, idx, attn_sink, out, lse, scale: float, deterministic: bool, rope=None,
+                    mass_slots=None):
+    """The registered op's backward on this backend: dq ``q.dtype``, dkv ``kv.dtype``, d_sink ``attn_sink.dtype``;
+    with ``mass_slots = (offset, width)`` also the (T, width) fp32 teacher mass (:func:`_sparse_attn_bwd`)."""
     q, kv = q.contiguous(), kv.contiguous()
     idx = idx.to(torch.int32).contiguous()
     grad_out = torch.zeros_like(q) if grad_out is None else grad_out.to(q.dtype).contiguous()
     tables = None if rope is None else rope_tables(*rope)
-    dq, dkv, d_sink = _sparse_attn_bwd(q, kv, idx, attn_sink.float().contiguous(), out.contiguous(),
-                                       lse.contiguous(), grad_out, scale, deterministic=deterministic, rope=tables)
-    return dq, dkv.to(kv.dtype), d_sink.to(attn_sink.dtype)
+    dq, dkv, d_sink, *mass = _sparse_attn_bwd(q, kv, idx, attn_sink.float().contiguous(), out.contiguous(),
+                                              lse.contiguous(), grad_out, scale, deterministic=deterministic,
+                                              rope=tables, mass_slots=mass_slots)
+    return (dq, dkv.to(kv.dtype), d_sink.to(attn_sink.dtype), *mass)
 
 
 def triton_lse(q, kv, idx, scale: float) -> torch.Tensor:
@@ -616,7 +619,7 @@ def triton_lse(q, kv, idx, scale: float) -> torch.Tensor:
 
 def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet,
                             attn_sink: torch.Tensor, scale: float, *, topk_length: torch.Tensor | None = None,
-                            deterministic: bool = False, output_rope=None):
+                            deterministic: bool = False, output_rope=None, mass_probe=None, mass_offset: int = 0):
     """Triton implementation behind :func:`dsv4attn.ops.sparse_attention` (arguments already checked).
 
     Args:
@@ -629,6 +632,7 @@ def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Te
         topk_length: optional (T,) slot counts per row (FlashMLA's ``topk_length``).
         deterministic: backward without float atomics (bitwise repeatable).
         output_rope: None or (positions, inv_freq): the output's inverse RoPE, in the forward's epilogue.
+        mass_probe, mass_offset: the teacher mass's channel (:func:`dsv4attn.ops.sparse_attention`).
     Returns:
         out (T, H, D) ``q.dtype`` (0 for rows without a valid index) and lse (T, H) fp32, natural log, excluding
         the sink, ``-inf`` for empty rows. Differentiable in q, kv and attn_sink.
@@ -638,7 +642,8 @@ def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Te
     backend.
     """
     impl = "triton" if kernel_supports(q) and kv.shape[0] > 0 else "reference"
-    return run(q, kv, indices, attn_sink, float(scale), topk_length, deterministic, impl, output_rope)
+    return run(q, kv, indices, attn_sink, float(scale), topk_length, deterministic, impl, output_rope, mass_probe,
+               mass_offset)
 
 
 variants.register(
