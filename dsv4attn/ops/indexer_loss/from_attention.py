@@ -74,9 +74,10 @@ class _Channel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, mass):
         index_q, index_k, index_weights, candidates, student_scores, weight = ctx.saved_tensors
-        mass = mass.contiguous()
-        if ctx.head_sum is not None:            # tensor parallelism: every rank's heads make the teacher
-            mass = mass.clone()
+        if ctx.head_sum is None:
+            mass = mass.contiguous()
+        else:                                   # tensor parallelism: every rank's heads make the teacher
+            mass = mass.clone(memory_format=torch.contiguous_format)     # ours to reduce in place
             ctx.head_sum(mass)
         d_q, d_k, d_w = indexer_kl_from_mass_op(mass, index_q, index_k, index_weights, candidates, student_scores,
                                                 weight, ctx.kl_value, ctx.impl)
