@@ -9,7 +9,12 @@ useful rate. Times are the median of 10 runs after warm-up (CUDA events); ``inde
 (no argument checks). "peak MiB" is what a call allocates beyond its inputs. Run (CUDA, Triton):
 
     python benchmarks/indexer_loss.py [--sparse-T 8192 32768] [--warmup-T 8192] [--reference-T 8192 32768]
-                                      [--check-T 4096] [--sweep] [--split] [--log out.txt]
+                                      [--check-T 4096] [--sweep] [--split] [--from-mass] [--log out.txt]
+
+``--from-mass``: also the sparse phase's KL as the layer runs it since 2026-12-07, from a teacher mass the
+attention's backward formed (``kl_grads_from_mass_triton``: the KL kernel with the mass and the top-k's scores
+given, then the saved-gradient backward; one call, counted as "fwd+bwd"; the mass itself costs the attention
+backward ~0.5 ms at 32K, timed by benchmarks/sparse_attention.py).
 
 Target (issue #5): sparse forward+backward <= 2.5 ms at T = 32K; the warm-up must stream (memory linear in T).
 """
@@ -113,6 +118,23 @@ def bench(T: int, mode: str, log, with_reference: bool, config=None, bwd_config=
     log(f"| {mode}{tag} | {T} | {K} | {fwd_ms:.3f} | {all_ms:.3f} | {all_ms - fwd_ms:.3f} | "
         f"{flop / fwd_ms / 1e9:.0f} ({flop / fwd_ms / 1e9 / MATMUL_PEAK_TFLOPS:.2f}) | {mem:.0f} | "
         f"{ref[0]} | {ref[1]} | {ref[2]} | {ref[3]} |")
+
+
+def from_mass(T: int, log) -> None:
+    """The sparse KL and its gradients from a given teacher mass and student scores (one call)."""
+    from dsv4attn.ops.indexer_loss.triton import kl_grads_from_mass_triton
+    inputs, pairs = make_inputs(T, "sparse")
+    index_q, index_k, index_w, _, _, _, cand, _ = inputs
+    idx = cand.rows(0, T).to(torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    mass = torch.rand(idx.shape, device="cuda", generator=gen) * (idx >= 0)
+    scores = torch.randn(idx.shape, device="cuda", generator=gen)
+    weight = torch.tensor(1.0 / T, device="cuda")
+
+    def call():
+        kl_grads_from_mass_triton(mass, index_q, index_k, index_w, idx, scores, weight)
+    ms = time_ms(call)
+    log(f"| sparse from mass | {T} | {idx.shape[1]} | - | {ms:.3f} | - | - | {peak_mib(call):.0f} | - | - | - | - |")
 
 
 def split(T: int, log) -> None:
@@ -226,6 +248,8 @@ def main() -> None:
     parser.add_argument("--full-lse", action="store_true",
                         help="also time the sparse mode's full_lse form, teacher mass from Gluon (SM90) and Triton")
     parser.add_argument("--split", action="store_true", help="also time the warm-up teacher's parts at each warmup-T")
+    parser.add_argument("--from-mass", action="store_true",
+                        help="also time the sparse KL from a given teacher mass (what the layer runs)")
     parser.add_argument("--log", default=None, help="also append every line to this file")
     args = parser.parse_args()
     log = start_log("indexer_loss.py", args.log)
@@ -247,6 +271,10 @@ def main() -> None:
             variants.FAILED[key] = "switched off by the benchmark"
             bench(T, "sparse", log, False, tag=" full_lse, Triton teacher", full=True)
             del variants.FAILED[key]
+    if args.from_mass:
+        for T in args.sparse_T:
+            from_mass(T, log)
+            torch.cuda.empty_cache()
     if args.split:
         for T in args.warmup_T:
             split(T, log)
