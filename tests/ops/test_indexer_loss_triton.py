@@ -959,6 +959,55 @@ def test_gpu_kl_from_a_given_mass_matches_float64_reference():
 
 
 @GPU
+@pytest.mark.parametrize("window", [0, 128])
+def test_gpu_kl_from_the_attention_backward_matches_float64_reference(window):
+    """The sparse phase's whole KL path on the GPU kernels (T = 2048, Flash shapes, top-512 after ``window`` window
+    slots): the attention's backward forms the teacher mass into the probe (on SM90 the one-pass Gluon kernel), the
+    probe's backward forms the KL and the indexer's gradients. Loss value and gradients within 2x / 3x the
+    reference's own error against float64 (the reference: the reference attention's mass of the same slots, then
+    ``kl_grads_from_mass_reference``, from the same rounded inputs)."""
+    from dsv4attn.ops import indexer_kl_from_attention, sparse_attention
+    from dsv4attn.ops.indexer_loss.reference import kl_grads_from_mass_reference
+    from dsv4attn.ops.sparse_attention.reference import reference_backward, reference_forward
+
+    inputs = flash_inputs(2048, "sparse", seed=4)
+    index_q, index_k, index_w, q, ckv, _, cand, _ = inputs
+    T, scale = q.shape[0], 512 ** -0.5
+    topk = cand.rows(0, T).to(torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    raw = torch.randn(T, 512, device="cuda", generator=gen).to(torch.bfloat16)       # the window's raw keys
+    rows = torch.arange(T, device="cuda")[:, None] - torch.arange(window, device="cuda")[None, :]
+    slots = torch.cat([torch.where(rows >= 0, rows, -1), torch.where(topk >= 0, topk + T, -1)], 1).to(torch.int32)
+    keys = torch.cat([raw, ckv])
+    sink = torch.randn(64, device="cuda", generator=gen)
+    grad_out = torch.randn(q.shape, device="cuda", generator=gen).to(torch.bfloat16)
+    scores, scores64 = _student_scores(inputs), _student_scores(inputs, torch.float64)
+    weight, kl_value = torch.tensor(1 / T, device="cuda"), torch.zeros((), device="cuda")
+
+    leaves = [x.detach().clone().requires_grad_(True) for x in (index_q, index_k, index_w)]
+    probe = indexer_kl_from_attention(*leaves, topk, scores, weight, kl_value)
+    out, _ = sparse_attention(q.detach().clone().requires_grad_(True), keys, slots, sink, mass_probe=probe,
+                              mass_offset=window)
+    out.backward(grad_out)
+    kernel = [kl_value.double()] + [x.grad.double() for x in leaves]
+
+    def reference(dtype):
+        q_, keys_, sink_, g_ = (x.to(dtype) if dtype == torch.float64 else x for x in (q, keys, sink, grad_out))
+        lse = reference_forward(q_, keys_, Explicit(slots), sink_, scale)[1]
+        mass = reference_backward(g_, q_, keys_, Explicit(slots), sink_, lse, scale,
+                                  mass_slots=(window, topk.shape[1]))[3]
+        student = [x.to(dtype) if dtype == torch.float64 else x for x in (index_q, index_k, index_w)]
+        kl, *grads = kl_grads_from_mass_reference(mass, *student, Explicit(topk),
+                                                  scores64 if dtype == torch.float64 else scores,
+                                                  weight.to(mass.dtype))
+        # In the inputs' dtypes, as autograd hands the kernels' gradients to the leaves.
+        return [(weight.double() * kl.double().sum())] + [g.to(x.dtype).double() for g, x in zip(grads, student)]
+
+    measured = _compare(kernel, reference(torch.bfloat16), reference(torch.float64))
+    _assert_within_bounds(f"from-attention-window{window}", measured, low_precision=True)
+
+
+@GPU
 @pytest.mark.parametrize("save_g", [True, False], ids=["saved", "mass-again-in-backward"])
 def test_gpu_warmup_teacher_over_several_chunks_wider_than_1024(save_g, monkeypatch):
     """The warm-up's teacher at a width past SAVE_G_MAX_WIDTH's default (2048 candidates per row at the end of the
