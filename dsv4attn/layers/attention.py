@@ -269,6 +269,8 @@ class HybridAttention(KeepFp32Params):
             # The teacher's candidates are exactly the attention's top-k slots, normalised by its own denominator:
             # the attention backward hands their head-summed probabilities to the probe, whose backward forms the
             # KL and its gradients (docs/semantics.md, decision 7) and writes the loss value into kl_value.
+            if (q.device, torch.float32) not in self._kl_value_on:
+                self._place_kl_values(q.device)
             kl_value = self._kl_values(q.device)[torch.promote_types(q.dtype, torch.float32)]
             weight = c.indexer_loss_coeff / pack.num_real_rows.clamp(min=1).to(kl_value.dtype)
             probe = indexer_kl_from_attention(index_q, index_k, index_w, topk, topk_scores, weight, kl_value,
@@ -320,6 +322,16 @@ class HybridAttention(KeepFp32Params):
         return {dtype: cached(self._kl_value_on, (device, dtype),
                               lambda: torch.full((), float("nan"), dtype=dtype, device=device))
                 for dtype in (torch.float32, torch.float64)}
+
+    @torch.compiler.disable(reason="dsv4attn: the layer's parameters moved without Module._apply, so its "
+                            "indexer-loss buffers are made eagerly; call layer.to(device) before a "
+                            "fullgraph compile")
+    def _place_kl_values(self, device: torch.device) -> None:
+        # Parameters placed on a device without Module._apply (assigned directly, as some loaders do) find no loss
+        # buffers there. Made in a compiled graph, the buffer would be one the caller never sees (the loss value
+        # lost), so they are made here, outside any graph: one graph break on the first compiled call that needs
+        # them (fullgraph=True refuses it: move the layer with .to(device) first).
+        self._kl_values(device)
 
     def _queries(self, x, positions, inv_freq):
         """(qr, q): the normalised low-rank query (T, q_lora_rank) and the RoPE'd queries (T, H, head_dim)."""

@@ -124,6 +124,22 @@ def test_another_document_count_recompiles_once():
     assert c.counter.graphs == 2
 
 
+def test_parameters_placed_without_apply_still_report_the_sparse_loss():
+    """Parameters assigned on a device that ``Module._apply`` never saw (as some loaders place them) find no loss
+    buffers there (simulated by emptying the per-device store): a compiled sparse step makes them outside the graph
+    (one graph break) and reports the eager loss; ``fullgraph=True`` refuses, naming the fix (``layer.to``)."""
+    c = Compiled(4)
+    want = c.run(c.layer, _pack(PACK_CU), "sparse")
+    c.layer._kl_value_on.clear()
+    got = c.run(torch.compile(c.layer, backend="aot_eager"), _pack(PACK_CU), "sparse")
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[3], want[3], **TOL)
+    torch._dynamo.reset()
+    c.layer._kl_value_on.clear()
+    with pytest.raises(Exception, match=r"layer\.to\(device\)"):
+        c.run(torch.compile(c.layer, backend="aot_eager", fullgraph=True), _pack(PACK_CU), "sparse")
+
+
 # ------------------------------------------------------------------------------------- the CUDA (Triton) dispatch
 class _Traced(Exception):
     """Raised once AOT autograd has partitioned the joint graph: the kernels themselves never run."""
