@@ -18,8 +18,9 @@ registers / spill bytes; built with ``ASTSource`` as
 | 3.9.0 | shipped | 1286 | 1394 | 187 / 157 | 270 | 14435 | 80, 0 |
 | 3.9.0 | ``int1_network`` | 1286 | 1394 | 187 / 157 | 270 | 14259 | 80, 0 |
 
-So the selects and compares match 3.9.0's (-35% / -31%); the shared-memory traffic (the compiler's layout
-conversions) stays twice 3.9.0's, so at most part of the 2x is expected. The same network and directions as
+So the selects and compares match 3.9.0's (-35% / -31%); the shared-memory accesses (the compiler's layout
+conversions) stay twice 3.9.0's: the same bytes, as 8-byte ``ld/st.shared.b64`` where 3.9.0 issues 16-byte
+``.v2.b64`` (counted on the network alone), so at most part of the 2x is expected. The same network and directions as
 ``tl.topk`` / ``tl.sort``: outputs must be bitwise.
 
 - ``int1_network``: ``_kth_largest``, ``_largest_first`` and ``_descending`` through the networks below.
