@@ -24,6 +24,12 @@ conversions) stay twice 3.9.0's: the same bytes, as 8-byte ``ld/st.shared.b64`` 
 ``tl.topk`` / ``tl.sort``: outputs must be bitwise.
 
 - ``int1_network``: ``_kth_largest``, ``_largest_first`` and ``_descending`` through the networks below.
+- ``warps2``, ``int1_warps2``, ``int1_warps1``: the select with 2 or 1 warps a program (``SELECT_WARPS``; 4 shipped, 8
+  swept before): a row's 1024-wide tiles then span fewer warps, so fewer of the network's exchanges cross warps
+  through shared memory (none with one warp), at more registers a thread. Offline (3.6.0 / 3.7.1 / 3.9.0): 2 warps
+  186 / 179 / 128 registers, no spills; 1 warp 255 registers, spills 8 / 8 / 124 bytes (the network alone: none);
+  per program, PTX lines x threads (the instructions a row costs): 4 warps 15510 x 128, 2 warps 24597 x 64, 1 warp
+  37620 x 32 (``int1_network`` forms, 3.6.0). Outputs must be bitwise.
 
 Checked on the CPU under the interpreter: the variant's select (``by_rank=False``) equals the stable-sort reference
 on every case of ``tests/ops/test_indexer_triton.py``'s select checks (Triton 3.9.0; 3.6.0's interpreter cannot run
@@ -112,7 +118,11 @@ _CHANGES = [
     ("        return tl.topk(keys, KP)\n", "        return _largest_descending(keys, KP)\n"),
     ("        return tl.sort(keys, 1, descending=True)\n", "        return _sorted_descending(keys)\n"),
 ]
-VARIANTS = {"int1_network": _CHANGES}
+_WARPS = 'SELECT_WARPS=4, KERNEL="auto")'
+VARIANTS = {"int1_network": _CHANGES,
+            "warps2": [(_WARPS, _WARPS.replace("4", "2"))],
+            "int1_warps2": _CHANGES + [(_WARPS, _WARPS.replace("4", "2"))],
+            "int1_warps1": _CHANGES + [(_WARPS, _WARPS.replace("4", "1"))]}
 
 
 def inputs(T, H, device):
