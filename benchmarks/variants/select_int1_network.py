@@ -32,7 +32,7 @@ conversions) stay twice 3.9.0's: the same bytes, as 8-byte ``ld/st.shared.b64`` 
   37620 x 32 (``int1_network`` forms, 3.6.0). Outputs must be bitwise.
 
 Checked on the CPU under the interpreter: the variant's select (``by_rank=False``) equals the stable-sort reference
-on every case of ``tests/ops/test_indexer_triton.py``'s select checks (Triton 3.9.0; 3.6.0's interpreter cannot run
+on every case of ``tests/ops/test_indexer_triton.py``'s select checks (Triton 3.9.0 and 3.7.1; 3.6.0's interpreter cannot run
 the select kernel, shipped or not, see ``tests/ops/interpreter.py``), and the two networks alone equal
 ``torch.sort`` on int32 / int64 rows of 4 to 64 (3.9.0 and 3.6.0). GPU:
 ``python benchmarks/kernel_variants.py benchmarks/variants/select_int1_network.py --T 32768 8192 --H 0 4096`` on
