@@ -271,7 +271,7 @@ class HybridAttention(KeepFp32Params):
             # KL and its gradients (docs/semantics.md, decision 7) and writes the loss value into kl_value.
             if (q.device, torch.float32) not in self._kl_value_on:
                 self._place_kl_values(q.device)
-            kl_value = self._kl_values(q.device)[torch.promote_types(q.dtype, torch.float32)]
+            kl_value = self._kl_value_on[(q.device, torch.promote_types(q.dtype, torch.float32))]
             weight = c.indexer_loss_coeff / pack.num_real_rows.clamp(min=1).to(kl_value.dtype)
             probe = indexer_kl_from_attention(index_q, index_k, index_w, topk, topk_scores, weight, kl_value,
                                               probe_dtype=kl_value.dtype,
