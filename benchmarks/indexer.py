@@ -163,8 +163,10 @@ def load_cudnn_indexer(folder: str):
 SWEEP = [dict(BLOCK_T=t, BLOCK_E=e, num_warps=nw, num_stages=ns)
          for t, e, nw, ns in [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3),
                               (128, 128, 8, 2), (64, 256, 8, 2), (32, 128, 4, 3)]]
-# Select kernel variants (the score kernel at its default): columns per tile, elements per program tile, warps.
-SWEEP += [dict(SELECT_TILE=c, SELECT_BLOCK=c, SELECT_WARPS=nw) for c, nw in [(1024, 8), (2048, 4), (2048, 8)]]
+# Select kernel variants (the score kernel at its default): columns per tile, elements per program tile, warps (at
+# every width: the one-warp rule for short rows off).
+SWEEP += [dict(SELECT_TILE=c, SELECT_BLOCK=c, SELECT_WARPS=nw, SELECT_SHORT_WIDTH=0)
+          for c, nw in [(1024, 8), (2048, 4), (2048, 8)]]
 # The Triton score tiles are timed with KERNEL="triton" (on SM90 "auto" takes the Gluon score kernel); the first of
 # them is the Triton default, to set beside the Gluon kernel of the main row.
 SWEEP = [dict(KERNEL="triton", **c) for c in SWEEP[:7]] + SWEEP[7:]

@@ -15,7 +15,8 @@ What must hold (docs/semantics.md, decision 6):
 - The select kernel alone, on hand-made int32 score orders (fresh random each run, the seed is reported): equal to
   a stable descending sort for distinct values, heavy ties at the extremes and at order(-inf), and rows that defeat
   its tile-maxima bound (its exact search). The interpreter orders by pairwise ranks (``BY_RANK``, as the op does
-  there); two cases also run the GPU's ``tl.topk`` path, and a CUDA test runs it at Flash widths.
+  there); five cases also run the GPU's path (the kernel's bitonic networks), and a CUDA test runs it at Flash
+  widths, with four warps a program and with one.
 - The kernel path is the registered op ``dsv4attn::indexer_topk_ranges``: ``torch.library.opcheck`` passes and
   ``torch.compile(fullgraph=True)`` of :func:`indexer_topk_triton` returns the eager indices (both run the op, so
   they run in the interpreter worker too).
@@ -271,15 +272,15 @@ def _run_select(case, gen, config, by_rank=None, device="cpu"):
 
 def _select_checks() -> dict:
     """Every SELECT_CASES case on fresh random inputs (the seed is reported), by pairwise ranks (the interpreter's
-    default) and five through ``tl.topk`` / ``tl.sort`` (the GPU's path, slow under the interpreter)."""
+    default) and five through the bitonic networks (the GPU's path, slow under the interpreter)."""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     runs = {name: _run_select(case, gen, SELECT_TILES) for name, case in SELECT_CASES.items()}
     for name in ("ties-top7", "far-top7-table", "ties-short-rows-table", "distinct-top1-short"):
         kind, rows, width, topk, table = SELECT_CASES[name]
-        runs[name + "-tl.topk"] = _run_select((kind, 16, width, topk, table), gen, SELECT_TILES, by_rank=False)
-    # Every row at most KP = 8 orders: the final sort of KP keys (tl.sort) instead of the best KP of 2 KP.
-    runs["distinct-at-most-kp-tl.topk"] = _run_select(("distinct", 16, 8, 7, False), gen, SELECT_TILES, by_rank=False)
+        runs[name + "-network"] = _run_select((kind, 16, width, topk, table), gen, SELECT_TILES, by_rank=False)
+    # Every row at most KP = 8 orders: the final sort of KP keys instead of the best KP of 2 KP.
+    runs["distinct-at-most-kp-network"] = _run_select(("distinct", 16, 8, 7, False), gen, SELECT_TILES, by_rank=False)
     return {name: dict(seed=seed, equal=bool(torch.equal(got, want)), rows_differ=int((got != want).any(1).sum()))
             for name, (got, want) in runs.items()}
 
@@ -383,9 +384,9 @@ def test_plumbing(interpreted, check):
     assert interpreted["plumbing"][check]
 
 
-@pytest.mark.parametrize("case_id", [*SELECT_CASES, "ties-top7-tl.topk", "far-top7-table-tl.topk",
-                                     "ties-short-rows-table-tl.topk", "distinct-top1-short-tl.topk",
-                                     "distinct-at-most-kp-tl.topk"])
+@pytest.mark.parametrize("case_id", [*SELECT_CASES, "ties-top7-network", "far-top7-table-network",
+                                     "ties-short-rows-table-network", "distinct-top1-short-network",
+                                     "distinct-at-most-kp-network"])
 def test_select_kernel_matches_stable_sort(interpreted, case_id):
     m = interpreted["select"][case_id]
     assert m["equal"], f"{case_id}: {m['rows_differ']} rows differ from a stable sort (seed {m['seed']})"
@@ -498,21 +499,24 @@ def test_cuda_compile_fullgraph_and_cuda_graph_match_eager():
 @needs_cuda
 @pytest.mark.parametrize("kind", ["distinct", "ties", "far", "periodic"])
 @pytest.mark.parametrize("topk", [FLASH_TOPK, 1024], ids=["flash-k512", "pro-k1024"])
-def test_cuda_select_kernel_flash_sizes(kind, topk):
-    """The select kernel alone at Flash widths (k = 512 of 8192 columns; the Pro preset's k = 1024), default tiles,
-    against a stable sort."""
+@pytest.mark.parametrize("width", [8192, 2048], ids=["w8192", "w2048"])
+def test_cuda_select_kernel_flash_sizes(kind, topk, width):
+    """The select kernel alone at Flash widths (k = 512 of 8192 columns, a 32K document; of 2048, an 8K one, where
+    a program is one warp; the Pro preset's k = 1024, four warps at both), default tiles, against a stable sort."""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     from dsv4attn.ops.indexer import triton as ix_triton
-    got, want = _run_select((kind, 2048, 8192, topk, kind == "far"), gen, ix_triton.CONFIG, device="cuda")
+    got, want = _run_select((kind, 2048, width, topk, kind == "far"), gen, ix_triton.CONFIG, device="cuda")
     assert torch.equal(got, want), f"{int((got != want).any(1).sum())} rows differ (seed {seed})"
 
 
 @pytest.mark.parametrize("table", [False, True], ids=["no-table", "table"])
-def test_select_kernel_builds_for_sm90(table):
+@pytest.mark.parametrize("warps", [4, 1], ids=["4-warps", "1-warp"])
+def test_select_kernel_builds_for_sm90(table, warps):
     """The select kernel compiled for sm_90 without a GPU, at the Flash top-k's config (KP 512, TILE 1024, one row a
-    program, the GPU's tl.topk / tl.sort path): the interpreter runs it without the compiler's checks (a variable
-    given another shape in each branch of an ``if`` runs there and fails only to compile)."""
+    program, the GPU's bitonic networks; 4 warps, and 1 as for short rows): the interpreter runs it without the
+    compiler's checks (a variable given another shape in each branch of an ``if`` runs there and fails only to
+    compile)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -524,7 +528,7 @@ def test_select_kernel_builds_for_sm90(table):
     # FP fusion stated (Triton's default so far): Triton 3.9 warns when it is left to its knob.
     kernel = triton.compile(ASTSource(ix_triton._topk_select_kernel, signature, constexprs),
                             target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=ix_triton.CONFIG["SELECT_WARPS"], enable_fp_fusion=True))
+                            options=dict(num_warps=warps, enable_fp_fusion=True))
     assert ".entry _topk_select_kernel" in kernel.asm["ptx"]
 
 

@@ -35,9 +35,17 @@ memory is O(T * topk + chunk), not O(T^2)):
       largest order v by a 16-way search on counts over ``[tau, max]`` (one pass per step, at most 8; none when
       every element >= tau is equal), then the scratch is refilled with the elements > v (fewer than K) and the
       first K equal to v in j order: the best K are among them.
-   d. ``tl.topk`` (bitonic) of the 2 KP scratch keys (a ``tl.sort`` of KP where no row of the program has more than
-      KP); decode j, map ``first[t] + j`` through ``table``, add ``shift``; slots past the row's candidates, or of
-      score -inf, become -1.
+   d. The best KP of the 2 KP scratch keys, descending, by a bitonic network (a sort of KP where no row of the
+      program has more than KP); decode j, map ``first[t] + j`` through ``table``, add ``shift``; slots past the
+      row's candidates, or of score -inf, become -1.
+
+   The sorts (tau's K-th largest column maximum and step d) are bitonic networks written here, the ones
+   ``tl.topk`` / ``tl.sort`` build, with the compare-exchange's "keep the larger" predicate formed as int1: Triton
+   3.6 / 3.7's own networks compare it as int32, a select and a compare more per element (1.02-1.11x the select
+   pass on an H100 with 3.6.0 and 3.7.1; Triton 3.9's network has the cast). Launches whose rows hold at most
+   ``SELECT_SHORT_WIDTH`` candidates (and k <= 512) run one warp a program, so no exchange of the networks crosses
+   warps (with the networks, 1.09-1.24x the kernel before at 1024-2048 candidates a row; at 8192 one warp is
+   slower, 0.92x: the passes over the orders need the warps).
 
    (A 4-pass radix select with ``tl.histogram`` was not faster than ``torch.topk`` on an H200: the leading digit
    is the same for most scores, so the histogram's shared-memory atomics serialise; see BENCHMARKS.md.)
@@ -67,15 +75,16 @@ from . import gluon_hopper as gluon_scores
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Score kernel: BLOCK_T query rows x BLOCK_E entries per program. Select kernel: at most SELECT_TILE columns per tile,
-# (rows x columns) tiles of SELECT_BLOCK elements (several rows per program when rows are short), SELECT_WARPS.
+# (rows x columns) tiles of SELECT_BLOCK elements (several rows per program when rows are short), SELECT_WARPS, or
+# one warp where the widest row of a launch has at most SELECT_SHORT_WIDTH candidates (0: never) and k <= 512.
 # Benchmarks may pass another config.
 CONFIG = dict(BLOCK_T=64, BLOCK_E=128, num_warps=8, num_stages=3, SELECT_TILE=1024, SELECT_BLOCK=1024,
-              SELECT_WARPS=4, KERNEL="auto")
+              SELECT_WARPS=4, SELECT_SHORT_WIDTH=2048, KERNEL="auto")
 # KERNEL: the score kernel, "auto" (:mod:`dsv4attn.variants`: the Gluon score kernel of :mod:`.gluon_hopper` on SM90
 # where it applies, else the Triton one), "gluon" or "triton"; passed to the custom op as its variants.MODES index.
 # The order in which the op's ``tiles`` argument lists a config (a custom op's schema takes no dicts).
 TILE_KEYS = ("BLOCK_T", "BLOCK_E", "num_warps", "num_stages", "SELECT_TILE", "SELECT_BLOCK", "SELECT_WARPS",
-             "KERNEL")
+             "SELECT_SHORT_WIDTH", "KERNEL")
 # int32 words of one chunk's buffers (the orders, and the select kernel's int64 scratch): 2^27 words = 512 MiB.
 ORDER_BUDGET = 1 << 27
 INT32_MIN = tl.constexpr(-2**31)
@@ -143,6 +152,73 @@ def _column_max(row, n, TILE: tl.constexpr):
     return best
 
 
+@triton.constexpr_function
+def _log2_exact(n):
+    """log2 of a power of two, at compile time."""
+    return int(n).bit_length() - 1
+
+
+@triton.jit
+def _axis_bit(cube, a: tl.constexpr):
+    """0/1 along innermost axis ``a`` of the hypercube ``cube`` (bit ``a`` of an element's position in its row),
+    shaped to broadcast against it."""
+    dims: tl.constexpr = len(cube.shape)
+    return tl.reshape(tl.arange(0, 2), [1] * (dims - 1 - a) + [2] + [1] * a)
+
+
+@triton.jit
+def _exchange(cube, descending, a: tl.constexpr):
+    """One compare-exchange step of a bitonic network on the integer hypercube ``cube``: each element meets its
+    partner across innermost axis ``a`` (the xor of the pair, reduced along that axis, recovers the partner from
+    either side); the pair's lower position keeps the larger where ``descending`` (0/1, broadcast) is 1. The
+    keep-the-larger predicate is formed as int1 before the compare: as an int32 comparison against the compare's
+    result, Triton 3.6 / 3.7 lower it to a select and a compare more per element (Triton 3.9's own network has the
+    cast)."""
+    dims: tl.constexpr = len(cube.shape)
+    partner = cube ^ tl.xor_sum(cube, dims - 1 - a, keep_dims=True)
+    keep_larger = (descending ^ _axis_bit(cube, a)).to(tl.int1)
+    return tl.where((partner > cube) == keep_larger, partner, cube)
+
+
+@triton.jit
+def _bitonic_merge(cube, width_log2: tl.constexpr, last: tl.constexpr):
+    """Sort each bitonic run of 2^width_log2 innermost elements: descending if ``last``, else runs alternate in
+    direction (bit width_log2 of the position picks it), so neighbouring runs form the next stage's bitonic run."""
+    if last:
+        descending = 1
+    else:
+        descending = _axis_bit(cube, width_log2)
+    for i in tl.static_range(width_log2):
+        cube = _exchange(cube, descending, width_log2 - 1 - i)
+    return cube
+
+
+@triton.jit
+def _sorted_descending(x):
+    """Each row of the (R, N) integer ``x`` (R, N powers of two) sorted in descending order, by a bitonic network."""
+    n_log2: tl.constexpr = _log2_exact(x.shape[1])
+    cube = tl.reshape(x, [2] * _log2_exact(x.numel))
+    for s in tl.static_range(1, n_log2 + 1):
+        cube = _bitonic_merge(cube, s, s == n_log2)
+    return tl.reshape(cube, x.shape)
+
+
+@triton.jit
+def _largest_descending(x, k: tl.constexpr):
+    """The k largest of each row of the (R, N) integer ``x`` (R, N, k powers of two, 2 <= k <= N), descending: runs
+    of k sorted in alternating directions, then repeatedly the elementwise larger of neighbouring runs (a bitonic
+    run holding the best k of both) merged again, until one run is left."""
+    n_log2: tl.constexpr = _log2_exact(x.shape[1])
+    k_log2: tl.constexpr = _log2_exact(k)
+    cube = tl.reshape(x, [2] * _log2_exact(x.numel))
+    for s in tl.static_range(1, k_log2 + 1):
+        cube = _bitonic_merge(cube, s, s == n_log2)
+    for s in tl.static_range(k_log2 + 1, n_log2 + 1):
+        cube = tl.max(cube, len(cube.shape) - 1 - k_log2)
+        cube = _bitonic_merge(cube, k_log2, s == n_log2)
+    return tl.reshape(cube, [x.shape[0], k])
+
+
 @triton.jit
 def _kth_largest(x, K, KP: tl.constexpr, BY_RANK: tl.constexpr):
     """(ROWS,): the K-th largest element of each row of the int32 ``x`` (K <= KP <= its row length)."""
@@ -150,7 +226,7 @@ def _kth_largest(x, K, KP: tl.constexpr, BY_RANK: tl.constexpr):
         at_least = tl.sum((x[:, None, :] >= x[:, :, None]).to(tl.int32), 2)   # how many elements are >= x[r, i]
         return tl.max(tl.where(at_least >= K, x, INT32_MIN), 1)
     else:
-        return tl.sum(tl.where(tl.arange(0, KP)[None, :] == K - 1, tl.topk(x, KP), 0), 1)
+        return tl.sum(tl.where(tl.arange(0, KP)[None, :] == K - 1, _largest_descending(x, KP), 0), 1)
 
 
 @triton.jit
@@ -162,7 +238,7 @@ def _largest_first(keys, KP: tl.constexpr, BY_RANK: tl.constexpr):
         slots = tl.arange(0, KP)[None, :, None]
         return tl.max(tl.where(above[:, None, :] == slots, keys[:, None, :], INT64_MIN), 2)
     else:
-        return tl.topk(keys, KP)
+        return _largest_descending(keys, KP)
 
 
 @triton.jit
@@ -172,7 +248,7 @@ def _descending(keys, BY_RANK: tl.constexpr):
     if BY_RANK:
         return _largest_first(keys, keys.shape[1], BY_RANK)
     else:
-        return tl.sort(keys, 1, descending=True)
+        return _sorted_descending(keys)
 
 
 @triton.jit
@@ -267,7 +343,7 @@ def _topk_select_kernel(ORDERS, FIRST, VISIBLE, TABLE, SCRATCH, OUT, SCORES, row
                         KP: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr, HAS_TABLE: tl.constexpr,
                         BY_RANK: tl.constexpr):
     # ROWS query rows per program; the steps a-d of the module docstring. BY_RANK (the CPU interpreter, where a
-    # bitonic network costs a fraction of a second per call) orders by pairwise comparison counts, not tl.topk.
+    # bitonic network costs a fraction of a second per call) orders by pairwise comparison counts, not a network.
     t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     live = t < rows_c
     n = tl.load(VISIBLE + t, mask=live, other=0).to(tl.int32)
@@ -345,9 +421,22 @@ def _use_gluon_scores(q, k, config: dict) -> bool:
 
 
 def _select_width(topk: int) -> int:
-    """KP of the select kernel: topk rounded up to a power of two, at least 2 (Triton 3.6's ``tl.topk`` mishandles
-    k = 1)."""
+    """KP of the select kernel: topk rounded up to a power of two, at least 2 (the networks' smallest run is a
+    pair)."""
     return max(2, triton.next_power_of_2(topk))
+
+
+# The largest KP for which a select program may be one warp: its 2 KP int64 keys then sit in 32 threads' registers
+# (KP 512: 255 registers; at KP 1024 ptxas spills ~1-2 KB a thread on Triton 3.9.0, offline).
+ONE_WARP_MAX_KP = 512
+
+
+def _select_warps(width: int, kp: int, config: dict) -> int:
+    """Warps of a select program: one where no row of the launch has more than ``SELECT_SHORT_WIDTH`` candidates
+    and KP <= ONE_WARP_MAX_KP (the networks' exchanges then stay in a warp: measured faster up to 2048 at k = 512,
+    slower at 8192, where the passes over the orders need more warps), else ``SELECT_WARPS``."""
+    short = width <= config.get("SELECT_SHORT_WIDTH", 0) and kp <= ONE_WARP_MAX_KP
+    return 1 if short else config["SELECT_WARPS"]
 
 
 def query_chunks(T: int, width: int, topk: int, budget: int):
@@ -360,7 +449,7 @@ def _select(orders, first, visible, table, shift: int, out: torch.Tensor, scores
             by_rank: bool | None = None) -> None:
     """Write the best ``out.shape[1]`` candidates of each row of ``orders`` to ``out`` as int32 key rows, best first,
     ties to the lower j, -1 for empty slots (module doc, step 2), and their fp32 scores to ``scores`` (-inf where
-    empty). ``by_rank``: order by pairwise counts instead of ``tl.topk`` (default: under the CPU interpreter only;
+    empty). ``by_rank``: order by pairwise counts instead of the bitonic networks (default: under the CPU interpreter only;
     quadratic in KP and TILE)."""
     rows_c, width = orders.shape
     topk = out.shape[1]
@@ -376,7 +465,7 @@ def _select(orders, first, visible, table, shift: int, out: torch.Tensor, scores
         orders, first, visible, table if table is not None else first, scratch, out, scores, rows_c, width, shift,
         topk,
         KP=kp, TILE=tile, ROWS=rows, HAS_TABLE=table is not None,
-        BY_RANK=interpreting() if by_rank is None else by_rank, num_warps=config["SELECT_WARPS"])
+        BY_RANK=interpreting() if by_rank is None else by_rank, num_warps=_select_warps(width, kp, config))
 
 
 @torch.library.custom_op("dsv4attn::indexer_topk_ranges", mutates_args=())
