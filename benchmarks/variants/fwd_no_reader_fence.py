@@ -11,11 +11,10 @@ GPU: ``python benchmarks/kernel_variants.py benchmarks/variants/fwd_no_reader_fe
 --flashmla .peers/flashmla --rounds 7``; offline: ``... --build-only``.
 """
 
-_FENCE_C = ("                mbarrier.wait(full.index(c_stage), (c // STAGES) & 1)\n                fence_async_shared()\n"
-            "                s = warpgroup_mma(q_smem, ring.index(c_stage + z).permute((1, 0)), s_zero, use_acc=False, "
-            "is_async=True)\n")
-_FENCE_0 = ("                mbarrier.wait(full.index(c_stage), (c // STAGES) & 1)\n                fence_async_shared()\n"
-            "                s = warpgroup_mma(q_smem, ring.index(c_stage + z).permute((1, 0)), s_zero, use_acc=False)\n")
+_WAIT = "                mbarrier.wait(full.index(c_stage), (c // STAGES) & 1)\n                fence_async_shared()\n"
+_QK = "                s = warpgroup_mma(q_smem, ring.index(c_stage + z).permute((1, 0)), s_zero, use_acc=False"
+_FENCE_C = _WAIT + _QK + ", is_async=True)\n"
+_FENCE_0 = _WAIT + _QK + ")\n"
 _NO_FENCE = [(old, old.replace("                fence_async_shared()\n", "")) for old in (_FENCE_C, _FENCE_0)]
 
 VARIANTS = {"no_reader_fence": _NO_FENCE}

@@ -69,7 +69,8 @@ def _publish(stats_first: bool, ffma: bool) -> str:
 
 
 _TAKE_OLD = _function("_pp_take_over")
-_TAKE_FIRST = '''    def _pp_take_over(b, l_i, acc, stats, full, pready, mready, STAGES: gl.constexpr, row_layout: gl.constexpr):
+_TAKE_FIRST = '''    def _pp_take_over(b, l_i, acc, stats, full, pready, mready, STAGES: gl.constexpr,
+                      row_layout: gl.constexpr):
         mbarrier.wait(mready.index(b % 2), (b // 2) & 1)
         alpha = stats.index(3 * (b % 2)).load(row_layout)
         m_i = stats.index(3 * (b % 2) + 2).load(row_layout)

@@ -532,6 +532,19 @@ def test_select_kernel_builds_for_sm90(table, warps):
     assert ".entry _topk_select_kernel" in kernel.asm["ptx"]
 
 
+def test_select_warps_one_only_for_short_rows_at_flash_k():
+    """One warp a select program only where every row of the launch fits SELECT_SHORT_WIDTH and KP <= 512 (one
+    warp's registers hold the 2 KP keys); else SELECT_WARPS; a config without the key never takes one warp."""
+    from dsv4attn.ops.indexer import triton as ix_triton
+    config = ix_triton.CONFIG
+    assert ix_triton._select_warps(2048, 512, config) == 1
+    assert ix_triton._select_warps(1024, 8, config) == 1
+    assert ix_triton._select_warps(2049, 512, config) == config["SELECT_WARPS"]
+    assert ix_triton._select_warps(2048, 1024, config) == config["SELECT_WARPS"]
+    assert ix_triton._select_warps(2048, 512, dict(config, SELECT_SHORT_WIDTH=0)) == config["SELECT_WARPS"]
+    assert ix_triton._select_warps(16, 8, dict(SELECT_WARPS=8)) == 8
+
+
 def test_select_tile_must_be_a_power_of_two():
     from dsv4attn.ops.indexer import triton as ix_triton
     orders, rows = torch.zeros(2, 8, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)

@@ -449,8 +449,8 @@ def _select(orders, first, visible, table, shift: int, out: torch.Tensor, scores
             by_rank: bool | None = None) -> None:
     """Write the best ``out.shape[1]`` candidates of each row of ``orders`` to ``out`` as int32 key rows, best first,
     ties to the lower j, -1 for empty slots (module doc, step 2), and their fp32 scores to ``scores`` (-inf where
-    empty). ``by_rank``: order by pairwise counts instead of the bitonic networks (default: under the CPU interpreter only;
-    quadratic in KP and TILE)."""
+    empty). ``by_rank``: order by pairwise counts instead of the bitonic networks (default: under the CPU
+    interpreter only; quadratic in KP and TILE)."""
     rows_c, width = orders.shape
     topk = out.shape[1]
     select_tile = config["SELECT_TILE"]
