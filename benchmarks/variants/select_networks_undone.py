@@ -16,7 +16,6 @@ Outputs must be bitwise. ``python benchmarks/kernel_variants.py benchmarks/varia
 3.7.1 (BENCHMARKS.md, thirty-seventh session); kept for a run on 3.9.0, whose own sorts already have the int1
 predicate and whose one-warp build spills 124 bytes (offline): there the two changes may gain nothing or lose.
 """
-import torch
 
 MODULE = "dsv4attn.ops.indexer.triton"
 KERNEL = "_topk_select_kernel"
@@ -31,20 +30,5 @@ _WARPS = [("SELECT_WARPS=4, SELECT_SHORT_WIDTH=2048,", "SELECT_WARPS=4, SELECT_S
 VARIANTS = {"tl_sorts": _SORTS, "warps4": _WARPS, "both": _SORTS + _WARPS}
 
 
-def inputs(T, H, device):
-    """Random int32 orders (distinct almost surely), ``H`` the document length (0: one document of T rows), row t
-    seeing (t mod doc + 1) / 4 entries."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    doc = H or T
-    t = torch.arange(T, device=device)
-    width = doc // 4
-    orders = torch.randint(-2**31, 2**31 - 1, (T, width), device=device, generator=gen, dtype=torch.int64).int()
-    return dict(orders=orders, first=((t // doc) * width).int(), visible=((t % doc + 1) // 4).int())
-
-
-def call(module, inp):
-    T = inp["orders"].shape[0]
-    out = torch.empty(T, 512, dtype=torch.int32, device=inp["orders"].device)
-    scores = torch.empty(T, 512, dtype=torch.float32, device=out.device)
-    module._select(inp["orders"], inp["first"], inp["visible"], None, 0, out, scores, module.CONFIG)
-    return out, scores
+# The select's own inputs and call (H: the document length, 0 = one document of T rows).
+from indexer import run_select as call, select_inputs as inputs  # noqa: E402,F401
