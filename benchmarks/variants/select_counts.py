@@ -13,6 +13,8 @@ shuffles with ptxas's fallback for divergent warps), the four-warp build 8,760.
   those sorted, by a network of KP keys instead of the best KP of 2 KP; the 2 KP network is then compiled only for
   the interpreter's BY_RANK form. The same keys in the same order.
 - ``both``.
+- ``bound_unsorted``: ``both`` without the final sort (the best K in j order: the same set, another order, so its
+  outputs differ on purpose): what the descending order costs, for a decision on the output's order.
 
 Offline, Triton 3.6.0, SASS instructions (one warp / four warps): shipped 56,480 / 8,760, ``tau_counts`` 52,392 /
 7,136, ``exact_sort_k`` 31,856 / 6,416, ``both`` 27,696 / 4,784 (no spills). What runs per row changes less than
@@ -88,8 +90,20 @@ _WRITE_NEW = '''    if not BY_RANK:
                            BY_RANK)
     else:'''
 _EXACT = [(_WRITE_OLD, _WRITE_NEW)]
+# The bound: the best K left in j order, unsorted (the same set; the order differs on purpose).
+_SORTED = """            taken = tl.minimum(taken, K)
+        few = tl.arange(0, KP)[None, :]
+        best = _descending(tl.load(scratch + few, mask=few < taken[:, None], other=INT64_MIN, cache_modifier=".cg"),
+                           BY_RANK)"""
+# (Every row trimmed to K first, also where K < its keys <= KP.)
+_UNSORTED = [(_WRITE_OLD, _WRITE_NEW.replace("        if tl.max(taken, 0) > KP:", "        if tl.max(taken, 0) > K:")
+              .replace(_SORTED, _SORTED.replace(
+    'best = _descending(tl.load(scratch + few, mask=few < taken[:, None], other=INT64_MIN, cache_modifier=".cg"),\n'
+    '                           BY_RANK)',
+    'best = tl.load(scratch + few, mask=few < taken[:, None], other=INT64_MIN, cache_modifier=".cg")')))]
 
-VARIANTS = {"tau_counts": _TAU, "exact_sort_k": _TAU_DEF_ONLY + _EXACT, "both": _TAU + _EXACT}
+VARIANTS = {"tau_counts": _TAU, "exact_sort_k": _TAU_DEF_ONLY + _EXACT, "both": _TAU + _EXACT,
+            "bound_unsorted": _TAU + _UNSORTED}
 
 
 # The select's own inputs and call (H: the document length, 0 = one document of T rows).
