@@ -45,28 +45,6 @@ def make_inputs(T: int, doc_len: int, cfg, seed: int = 0):
     return q, k, w, VisibleCompressed(lay, T), pairs
 
 
-def select_inputs(T: int, doc_len: int, device) -> dict:
-    """The select kernel's inputs alone (``benchmarks/variants``' select variants): random int32 orders (distinct
-    almost surely), documents of ``doc_len`` rows (0: one document of T rows), row t seeing (t mod doc + 1) / 4
-    entries."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    doc = doc_len or T
-    t = torch.arange(T, device=device)
-    width = doc // 4
-    orders = torch.randint(-2**31, 2**31 - 1, (T, width), device=device, generator=gen, dtype=torch.int64).int()
-    return dict(orders=orders, first=((t // doc) * width).int(), visible=((t % doc + 1) // 4).int())
-
-
-def run_select(module, inp: dict, topk: int = 512):
-    """``module``'s select kernel (the shipped indexer module or a variant of it) on :func:`select_inputs`: the
-    (T, topk) rows and scores."""
-    T = inp["orders"].shape[0]
-    out = torch.empty(T, topk, dtype=torch.int32, device=inp["orders"].device)
-    scores = torch.empty(T, topk, dtype=torch.float32, device=out.device)
-    module._select(inp["orders"], inp["first"], inp["visible"], None, 0, out, scores, module.CONFIG)
-    return out, scores
-
-
 def chosen_scores(q, k, w, chosen):
     """(T, K) float64 scores of the chosen key rows, -inf at -1 slots (chunked: bounded memory)."""
     parts = []

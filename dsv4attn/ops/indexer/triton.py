@@ -28,24 +28,27 @@ memory is O(T * topk + chunk), not O(T^2)):
    A program whose rows hold at most 2 KP orders each (short documents, a document's early rows) skips a and c:
    every order fits the scratch, so step b takes them all (tau = the least int32).
    a. One pass: the column maxima of the row's tiles (TILE of them). Each is an element of the row, so at least K
-      elements are >= tau, the K-th largest column maximum: the best K are among them. For random scores about
-      1.4 K elements are >= tau (TILE = 2 KP; a short row is its own column maxima, so tau is exact there).
+      elements are >= tau, the K-th largest column maximum (by halving [least int32, max] on counts, at most 32
+      steps): the best K are among them. For random scores about 1.4 K elements are >= tau (TILE = 2 KP; a short
+      row is its own column maxima, so tau is exact there).
    b. One pass: the keys of the elements >= tau, in j order, into a per-row scratch of 2 KP slots.
    c. Only for rows with more than 2 KP elements >= tau (many equal scores, or an adversarial row): the exact K-th
       largest order v by a 16-way search on counts over ``[tau, max]`` (one pass per step, at most 8; none when
       every element >= tau is equal), then the scratch is refilled with the elements > v (fewer than K) and the
       first K equal to v in j order: the best K are among them.
-   d. The best KP of the 2 KP scratch keys, descending, by a bitonic network (a sort of KP where no row of the
-      program has more than KP); decode j, map ``first[t] + j`` through ``table``, add ``shift``; slots past the
-      row's candidates, or of score -inf, become -1.
+   d. Where a row kept more than KP keys: the exact K-th largest order among them (halving on counts again), and
+      the best K (the orders above it, then the first equal to it in j order) moved to the scratch's front. Then
+      the row's <= KP keys sorted descending by a bitonic network of KP; decode j, map ``first[t] + j`` through
+      ``table``, add ``shift``; slots past the row's candidates, or of score -inf, become -1.
 
-   The sorts (tau's K-th largest column maximum and step d) are bitonic networks written here, the ones
-   ``tl.topk`` / ``tl.sort`` build, with the compare-exchange's "keep the larger" predicate formed as int1: Triton
-   3.6 / 3.7's own networks compare it as int32, a select and a compare more per element (1.02-1.11x the select
-   pass on an H100 with 3.6.0 and 3.7.1; Triton 3.9's network has the cast). Launches whose rows hold at most
-   ``SELECT_SHORT_WIDTH`` candidates (and k <= 512) run one warp a program, so no exchange of the networks crosses
-   warps (with the networks, 1.09-1.24x the kernel before at 1024-2048 candidates a row; at 8192 one warp is
-   slower, 0.92x: the passes over the orders need the warps).
+   The selection runs on counts and the one sort left is a bitonic network written here, the one ``tl.sort``
+   builds, with the compare-exchange's "keep the larger" predicate formed as int1 (Triton 3.6 / 3.7's own network
+   compares it as int32, a select and a compare more per element; 3.9's has the cast). Counting in place of the
+   networks that found tau and took the best KP of 2 KP: the select pass 1.46x at 32K in one document, 1.42x in
+   packs of 8 x 4096, 1.38x at 8K (H100, Triton 3.6.0, BENCHMARKS.md). Launches whose rows hold at most
+   ``SELECT_SHORT_WIDTH`` candidates (and k <= 512) run one warp a program, so no exchange of the network crosses
+   warps (1.09-1.24x at 1024-2048 candidates a row with the networks; at 8192 one warp was slower, 0.92x: the
+   passes over the orders need the warps).
 
    (A 4-pass radix select with ``tl.histogram`` was not faster than ``torch.topk`` on an H200: the leading digit
    is the same for most scores, so the histogram's shared-memory atomics serialise; see BENCHMARKS.md.)
@@ -204,49 +207,28 @@ def _sorted_descending(x):
 
 
 @triton.jit
-def _largest_descending(x, k: tl.constexpr):
-    """The k largest of each row of the (R, N) integer ``x`` (R, N, k powers of two, 2 <= k <= N), descending: runs
-    of k sorted in alternating directions, then repeatedly the elementwise larger of neighbouring runs (a bitonic
-    run holding the best k of both) merged again, until one run is left."""
-    n_log2: tl.constexpr = _log2_exact(x.shape[1])
-    k_log2: tl.constexpr = _log2_exact(k)
-    cube = tl.reshape(x, [2] * _log2_exact(x.numel))
-    for s in tl.static_range(1, k_log2 + 1):
-        cube = _bitonic_merge(cube, s, s == n_log2)
-    for s in tl.static_range(k_log2 + 1, n_log2 + 1):
-        cube = tl.max(cube, len(cube.shape) - 1 - k_log2)
-        cube = _bitonic_merge(cube, k_log2, s == n_log2)
-    return tl.reshape(cube, [x.shape[0], k])
-
-
-@triton.jit
-def _kth_largest(x, K, KP: tl.constexpr, BY_RANK: tl.constexpr):
-    """(ROWS,): the K-th largest element of each row of the int32 ``x`` (K <= KP <= its row length)."""
-    if BY_RANK:
-        at_least = tl.sum((x[:, None, :] >= x[:, :, None]).to(tl.int32), 2)   # how many elements are >= x[r, i]
-        return tl.max(tl.where(at_least >= K, x, INT32_MIN), 1)
-    else:
-        return tl.sum(tl.where(tl.arange(0, KP)[None, :] == K - 1, _largest_descending(x, KP), 0), 1)
-
-
-@triton.jit
-def _largest_first(keys, KP: tl.constexpr, BY_RANK: tl.constexpr):
-    """(ROWS, KP): the KP largest of each row of the int64 ``keys``, descending. Keys must be distinct in a row,
-    except INT64_MIN padding (BY_RANK: each slot past the real keys holds INT64_MIN)."""
-    if BY_RANK:
-        above = tl.sum((keys[:, None, :] > keys[:, :, None]).to(tl.int32), 2)  # the rank of keys[r, i]
-        slots = tl.arange(0, KP)[None, :, None]
-        return tl.max(tl.where(above[:, None, :] == slots, keys[:, None, :], INT64_MIN), 2)
-    else:
-        return _largest_descending(keys, KP)
+def _kth_largest(x, valid, K):
+    """(ROWS,): the K-th largest of each row's ``valid`` elements of the int32 ``x`` (INT32_MIN where a row has fewer
+    than K), by halving [INT32_MIN, max] on counts: at most 32 steps of one compare and one add an element. (It
+    replaced a bitonic network, ~55 exchange steps over the same elements: BENCHMARKS.md, thirty-eighth session.)"""
+    lo = tl.full([x.shape[0]], INT32_MIN, tl.int64)   # invariant: count(>= lo) >= K > count(>= hi), or lo = INT32_MIN
+    hi = tl.max(tl.where(valid, x, INT32_MIN), 1).to(tl.int64) + 1
+    while tl.max(hi - lo, 0) > 1:
+        mid = lo + ((hi - lo) >> 1)                   # < hi <= INT32_MAX + 1: exact as int32
+        enough = tl.sum((valid & (x >= mid.to(tl.int32)[:, None])).to(tl.int32), 1) >= K
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    return lo.to(tl.int32)
 
 
 @triton.jit
 def _descending(keys, BY_RANK: tl.constexpr):
-    """Each row of the int64 ``keys`` sorted in descending order (keys distinct in a row except INT64_MIN padding, as
-    for :func:`_largest_first`)."""
+    """Each row of the int64 ``keys`` sorted in descending order. Keys must be distinct in a row, except INT64_MIN
+    padding. BY_RANK (the CPU interpreter): each key placed by its rank, a count of pairwise comparisons."""
     if BY_RANK:
-        return _largest_first(keys, keys.shape[1], BY_RANK)
+        above = tl.sum((keys[:, None, :] > keys[:, :, None]).to(tl.int32), 2)  # the rank of keys[r, i]
+        slots = tl.arange(0, keys.shape[1])[None, :, None]
+        return tl.max(tl.where(above[:, None, :] == slots, keys[:, None, :], INT64_MIN), 2)
     else:
         return _sorted_descending(keys)
 
@@ -314,17 +296,28 @@ def _write_rows(scratch, taken, first, TABLE, out, scores, live, shift, K, KP: t
     (rows where ``live``) as key rows, -1 where empty, and their scores (fp32, decoded from the orders: the exact
     values the score kernel formed) to ``scores[r, 0:K]``, -inf where empty."""
     # .cg reads L2, where the other threads' scratch stores are (the caller's barrier orders them before this).
-    if tl.max(taken, 0) <= KP:
-        # At most KP keys a row (rows of at most KP candidates: half of a 4096-token document's at k = 512): one
-        # sort of KP keys instead of the best KP of 2 KP, half the network's width.
-        # (Names local to each branch: a compiled Triton branch may not give a variable another shape.)
-        few = tl.arange(0, KP)[None, :]
-        best = _descending(tl.load(scratch + few, mask=few < taken[:, None], other=INT64_MIN, cache_modifier=".cg"),
-                           BY_RANK)
-    else:
+    if tl.max(taken, 0) > KP:
+        # The best K of a row's <= 2 KP keys to the scratch's front, in j order: the keys of orders above the K-th
+        # largest order v, then the first (lowest j: the scratch is in j order) of those equal to v. Then one sort
+        # of KP keys, where the best KP of 2 KP took a network of about twice the exchanges.
         slots = tl.arange(0, 2 * KP)[None, :]
-        keys = tl.load(scratch + slots, mask=slots < taken[:, None], other=INT64_MIN, cache_modifier=".cg")
-        best = _largest_first(keys, KP, BY_RANK)
+        real = slots < taken[:, None]
+        keys = tl.load(scratch + slots, mask=real, other=INT64_MIN, cache_modifier=".cg")
+        order = (keys >> 32).to(tl.int32)
+        v = _kth_largest(order, real, K)
+        above = real & (order > v[:, None])
+        equal = real & (order == v[:, None])
+        need = K - tl.sum(above.to(tl.int32), 1)
+        take = above | (equal & (tl.cumsum(equal.to(tl.int32), 1) <= need[:, None]))
+        pos = tl.cumsum(take.to(tl.int32), 1) - 1
+        tl.debug_barrier()                     # every thread's loads of the scratch before its rewrite
+        tl.store(scratch + pos, keys, mask=take)
+        tl.debug_barrier()
+        taken = tl.minimum(taken, K)
+    # At most KP keys a row now (K <= KP).
+    few = tl.arange(0, KP)[None, :]
+    best = _descending(tl.load(scratch + few, mask=few < taken[:, None], other=INT64_MIN, cache_modifier=".cg"),
+                       BY_RANK)
     order = best >> 32
     j = ((order + 1) << 32) - 1 - best
     rank = tl.arange(0, KP)[None, :]
@@ -351,10 +344,11 @@ def _topk_select_kernel(ORDERS, FIRST, VISIBLE, TABLE, SCRATCH, OUT, SCORES, row
     scratch = SCRATCH + t[:, None] * (2 * KP)
     if tl.max(n, 0) <= 2 * KP:
         # Every row's orders fit the scratch (rows of short documents, early rows): all of them are candidates, so
-        # neither the column maxima nor the sort for tau is needed (and no refill follows).
+        # neither the column maxima nor tau's search is needed (and no refill follows).
         tau = tl.full(n.shape, INT32_MIN, tl.int32)
     else:
-        tau = _kth_largest(_column_max(row, n, TILE), K, KP, BY_RANK)
+        maxima = _column_max(row, n, TILE)
+        tau = _kth_largest(maxima, maxima == maxima, K)     # every column counts, INT32_MIN fill too
     taken = _compact(row, n, tau, 0, scratch, 2 * KP, TILE, True)
     refill = taken > 2 * KP
     if tl.max(refill.to(tl.int32), 0) > 0:
@@ -421,7 +415,7 @@ def _use_gluon_scores(q, k, config: dict) -> bool:
 
 
 def _select_width(topk: int) -> int:
-    """KP of the select kernel: topk rounded up to a power of two, at least 2 (the networks' smallest run is a
+    """KP of the select kernel: topk rounded up to a power of two, at least 2 (the network's smallest run is a
     pair)."""
     return max(2, triton.next_power_of_2(topk))
 
@@ -433,7 +427,7 @@ ONE_WARP_MAX_KP = 512
 
 def _select_warps(width: int, kp: int, config: dict) -> int:
     """Warps of a select program: one where no row of the launch has more than ``SELECT_SHORT_WIDTH`` candidates
-    and KP <= ONE_WARP_MAX_KP (the networks' exchanges then stay in a warp: measured faster up to 2048 at k = 512,
+    and KP <= ONE_WARP_MAX_KP (the network's exchanges then stay in a warp: measured faster up to 2048 at k = 512,
     slower at 8192, where the passes over the orders need more warps), else ``SELECT_WARPS``."""
     short = width <= config.get("SELECT_SHORT_WIDTH", 0) and kp <= ONE_WARP_MAX_KP
     return 1 if short else config["SELECT_WARPS"]
@@ -449,8 +443,8 @@ def _select(orders, first, visible, table, shift: int, out: torch.Tensor, scores
             by_rank: bool | None = None) -> None:
     """Write the best ``out.shape[1]`` candidates of each row of ``orders`` to ``out`` as int32 key rows, best first,
     ties to the lower j, -1 for empty slots (module doc, step 2), and their fp32 scores to ``scores`` (-inf where
-    empty). ``by_rank``: order by pairwise counts instead of the bitonic networks (default: under the CPU
-    interpreter only; quadratic in KP and TILE)."""
+    empty). ``by_rank``: order by pairwise counts instead of the bitonic network (default: under the CPU
+    interpreter only; quadratic in KP)."""
     rows_c, width = orders.shape
     topk = out.shape[1]
     select_tile = config["SELECT_TILE"]
