@@ -15,7 +15,7 @@ What must hold (docs/semantics.md, decision 6):
 - The select kernel alone, on hand-made int32 score orders (fresh random each run, the seed is reported): equal to
   a stable descending sort for distinct values, heavy ties at the extremes and at order(-inf), and rows that defeat
   its tile-maxima bound (its exact search). The interpreter orders by pairwise ranks (``BY_RANK``, as the op does
-  there); five cases also run the GPU's path (the kernel's bitonic networks), and a CUDA test runs it at Flash
+  there); five cases also run the GPU's path (the kernel's bitonic sort), and a CUDA test runs it at Flash
   widths, with four warps a program and with one.
 - The kernel path is the registered op ``dsv4attn::indexer_topk_ranges``: ``torch.library.opcheck`` passes and
   ``torch.compile(fullgraph=True)`` of :func:`indexer_topk_triton` returns the eager indices (both run the op, so
@@ -272,14 +272,14 @@ def _run_select(case, gen, config, by_rank=None, device="cpu"):
 
 def _select_checks() -> dict:
     """Every SELECT_CASES case on fresh random inputs (the seed is reported), by pairwise ranks (the interpreter's
-    default) and five through the bitonic networks (the GPU's path, slow under the interpreter)."""
+    default) and five through the bitonic sort (the GPU's path, slow under the interpreter)."""
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     runs = {name: _run_select(case, gen, SELECT_TILES) for name, case in SELECT_CASES.items()}
     for name in ("ties-top7", "far-top7-table", "ties-short-rows-table", "distinct-top1-short"):
         kind, rows, width, topk, table = SELECT_CASES[name]
         runs[name + "-network"] = _run_select((kind, 16, width, topk, table), gen, SELECT_TILES, by_rank=False)
-    # Every row at most KP = 8 orders: the final sort of KP keys instead of the best KP of 2 KP.
+    # Every row at most KP = 8 orders: no counting step before the sort of KP keys.
     runs["distinct-at-most-kp-network"] = _run_select(("distinct", 16, 8, 7, False), gen, SELECT_TILES, by_rank=False)
     return {name: dict(seed=seed, equal=bool(torch.equal(got, want)), rows_differ=int((got != want).any(1).sum()))
             for name, (got, want) in runs.items()}
@@ -514,7 +514,7 @@ def test_cuda_select_kernel_flash_sizes(kind, topk, width):
                          ids=["no-table", "table", "table-1-warp"])
 def test_select_kernel_builds_for_sm90(table, warps):
     """The select kernel compiled for sm_90 without a GPU, at the Flash top-k's config (KP 512, TILE 1024, one row a
-    program, the GPU's bitonic networks; 4 warps, and 1 as for short rows): the interpreter runs it without the
+    program, the GPU's bitonic sort; 4 warps, and 1 as for short rows): the interpreter runs it without the
     compiler's checks (a variable given another shape in each branch of an ``if`` runs there and fails only to
     compile). One one-warp build only: each takes ~27 s on a CPU without Triton's cache (the CI's)."""
     import triton

@@ -36,10 +36,11 @@ memory is O(T * topk + chunk), not O(T^2)):
       largest order v by a 16-way search on counts over ``[tau, max]`` (one pass per step, at most 8; none when
       every element >= tau is equal), then the scratch is refilled with the elements > v (fewer than K) and the
       first K equal to v in j order: the best K are among them.
-   d. Where a row kept more than KP keys: the exact K-th largest order among them (halving on counts again), and
-      the best K (the orders above it, then the first equal to it in j order) moved to the scratch's front. Then
-      the row's <= KP keys sorted descending by a bitonic network of KP; decode j, map ``first[t] + j`` through
-      ``table``, add ``shift``; slots past the row's candidates, or of score -inf, become -1.
+   d. Where a row of the program kept more than KP keys: the exact K-th largest order among each row's keys
+      (halving on counts again), and the best K (the orders above it, then the first equal to it in j order)
+      moved to the scratch's front. Then each row's <= KP keys sorted descending by a bitonic network of KP;
+      decode j, map ``first[t] + j`` through ``table``, add ``shift``; slots past the row's candidates, or of
+      score -inf, become -1.
 
    The selection runs on counts and the one sort left is a bitonic network written here, the one ``tl.sort``
    builds, with the compare-exchange's "keep the larger" predicate formed as int1 (Triton 3.6 / 3.7's own network
@@ -294,7 +295,8 @@ def _write_rows(scratch, taken, first, TABLE, out, scores, live, shift, K, KP: t
                 BY_RANK: tl.constexpr):
     """Store the best K of each row's ``taken`` (>= min(K, row length), <= 2 KP) scratch keys to ``out[r, 0:K]``
     (rows where ``live``) as key rows, -1 where empty, and their scores (fp32, decoded from the orders: the exact
-    values the score kernel formed) to ``scores[r, 0:K]``, -inf where empty."""
+    values the score kernel formed) to ``scores[r, 0:K]``, -inf where empty. Where a row of the program has more than
+    KP keys, every row's best K are first moved to its scratch's front (rows at most K long keep their keys)."""
     # .cg reads L2, where the other threads' scratch stores are (the caller's barrier orders them before this).
     if tl.max(taken, 0) > KP:
         # The best K of a row's <= 2 KP keys to the scratch's front, in j order: the keys of orders above the K-th
