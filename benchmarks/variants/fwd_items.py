@@ -9,6 +9,12 @@ as a loop 116 / 140 on 3.9.0 and none on 3.6.0 / 3.7.1 (offline, sm_90, the outp
 
     python benchmarks/kernel_variants.py benchmarks/variants/fwd_items.py --T 32768 8192 --H 64 \
         --flashmla .peers/flashmla --rounds 5
+
+A runtime loop over items around the consumers' block loop is what the fourteenth session's persistent forward had
+when it faulted (a Q K^T reading shared memory out of range, cause not found; BENCHMARKS.md): should ``items2``
+fault, ``items2_unrolled`` (the same items as straight-line code; 120 / 144 bytes of spills on 3.6.0, 208 / 232 on
+3.7.1, offline) tells whether the loop is what the compiler gets wrong. Run them under compute-sanitizer on a small
+shape first.
 """
 BUILD_SIGNATURE = {"n_items": "i32"}
 
@@ -28,5 +34,17 @@ def _items(n):
     return [(a, b.replace("ITEMS=2)", f"ITEMS={n})")) if a.startswith("FWD_CONFIG") else (a, b) for a, b in _PAIRS]
 
 
-VARIANTS = {"items2": _items(2), "items4": _items(4)}
-VARIANT_CONSTEXPRS = {"items2": {"ITEMS": 2}, "items4": {"ITEMS": 4}}
+def _unrolled(pairs):
+    # The items as straight-line code (gl.static_range) instead of a runtime loop.
+    out = []
+    for a, b in pairs:
+        b = b.replace("for r in range(ITEMS):", "for r in gl.static_range(ITEMS):")
+        b = b.replace("def _program_item(r, ITEMS", "def _program_item(r: gl.constexpr, ITEMS")
+        b = b.replace("            mbarrier.wait(q_free, (r + 1) & 1, pred=r > 0)\n",
+                      "            if r > 0:\n                mbarrier.wait(q_free, (r - 1) & 1)\n")
+        out.append((a, b))
+    return out
+
+
+VARIANTS = {"items2": _items(2), "items4": _items(4), "items2_unrolled": _unrolled(_items(2))}
+VARIANT_CONSTEXPRS = {name: {"ITEMS": int(name[5])} for name in VARIANTS}
