@@ -7,8 +7,12 @@ whose release waits for the stores), and the ring runs on across items: part of 
 The items loop is a runtime loop: unrolled (``gl.static_range``), ptxas spilled 692 / 952 bytes on Triton 3.9.0;
 as a loop 116 / 140 on 3.9.0 and none on 3.6.0 / 3.7.1 (offline, sm_90, the output rotation on).
 
-    python benchmarks/kernel_variants.py benchmarks/variants/fwd_items.py --T 32768 8192 --H 64 \
+    python benchmarks/kernel_variants.py benchmarks/variants/fwd_items.py --T 32768 8192 1001 --H 64 128 \
         --flashmla .peers/flashmla --rounds 5
+
+Below 4096 rows the inputs are ragged (``inputs``: rows of 0 to K valid slots, scattered empty slots, every
+seventh row empty) and each call runs the kernel with and without the output rotation: items of 1 to 10 blocks
+side by side in one program, compared bitwise with the shipped kernel.
 
 ``items2_early`` / ``items4_early`` gather an item's first kv block before its q (as soon as the block's stage
 is free, during the previous item's last blocks); the 40-register producer then spills (below).
@@ -504,3 +508,40 @@ def _early(pairs):
 VARIANTS = {"items2": _items(2), "items4": _items(4), "items2_unrolled": _unrolled(_items(2)),
             "items2_early": _early(_items(2)), "items4_early": _early(_items(4))}
 VARIANT_CONSTEXPRS = {name: {"ITEMS": int(name[5])} for name in VARIANTS}
+
+
+def inputs(T: int, H: int, device):
+    """The benchmark's inputs from 4096 rows up; below, ragged rows and the output rotation's tables (module doc)."""
+    import sys
+    from pathlib import Path
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from sparse_attention import D, make_inputs
+    if T >= 4096:
+        q, kv, idx, sink, _ = make_inputs(T, device, heads=H)
+        return dict(q=q, kv=kv, idx=idx, sink=sink.float(), scale=D ** -0.5)
+    K, N = 640, 3000
+    gen = torch.Generator(device=device).manual_seed(T)
+    q = torch.randn(T, H, D, device=device, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(N, D, device=device, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(0, N, (T, K), device=device, generator=gen, dtype=torch.int32)
+    valid = torch.randint(0, K + 1, (T,), device=device, generator=gen)
+    valid[::7] = 0
+    keep = (torch.arange(K, device=device)[None, :] < valid[:, None]) & \
+        (torch.rand(T, K, device=device, generator=gen) >= 0.1)
+    angle = torch.rand(T, 32, device=device, generator=gen) * 6
+    return dict(q=q, kv=kv, idx=torch.where(keep, idx, -1), sink=torch.randn(H, device=device, generator=gen),
+                scale=D ** -0.5, rope=(angle.cos().contiguous(), angle.sin().contiguous()))
+
+
+def call(module, inp):
+    """(out, lse), and with the ragged inputs also (out, lse) with the output rotation."""
+    import torch
+    results = []
+    for rope in (None, inp.get("rope")) if "rope" in inp else (None,):
+        q = inp["q"]
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        module.launch_fwd(q, inp["kv"], inp["idx"], inp["sink"], out, lse, inp["scale"], rope=rope)
+        results += [out, lse]
+    return tuple(results)
