@@ -222,12 +222,11 @@ if IMPORTED:
 
     @gluon.jit
     def ring_gather(KV, IDX, K, nb, t, ring, full, empty, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, g0=0):
+                    STAGES: gl.constexpr):
         # The producers' loop (attention forward, teacher mass, backward dKV): the rows of blocks 0 .. nb - 1 of row
-        # t's K slots, block b into ring stage (g0 + b) % STAGES once the consumers have released it (empty[stage]);
-        # each thread's cp.async completions arrive on full[stage] (count 128; the first arrival also covers copies
-        # committed before the loop, e.g. q). ``g0``: the blocks this ring carried before (0 for a program's first
-        # row); it sets each block's stage and phase.
+        # t's K slots, each into ring stage b % STAGES once the consumers have released it (empty[stage]); each
+        # thread's cp.async completions arrive on full[stage] (count 128; the first arrival also covers copies
+        # committed before the loop, e.g. q).
         # Block b + 1's slot indices are loaded right after block b's copies are issued, so their global-load
         # latency passes while the producer waits for the next free stage (profiled on the H200: the index loads
         # issued after the wait were the producer's main stall). BLOCK_N is 16, 32 or 64.
@@ -240,9 +239,8 @@ if IMPORTED:
         i2 = slot_rows(IDX, row_base, 0, 32, K, BLOCK_N, n_layout)
         i3 = slot_rows(IDX, row_base, 0, 48, K, BLOCK_N, n_layout)
         for b in range(nb):
-            g = g0 + b
-            stage = g % STAGES
-            mbarrier.wait(empty.index(stage), ((g // STAGES) + 1) & 1, pred=g >= STAGES)
+            stage = b % STAGES
+            mbarrier.wait(empty.index(stage), ((b // STAGES) + 1) & 1, pred=b >= STAGES)
             kv_stage = ring.index(stage)
             gather_rows(kv_stage, 0, i0, KV, cols, D)
             if BLOCK_N > 16:
