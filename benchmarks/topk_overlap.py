@@ -12,11 +12,14 @@ i + 1 are formed. At 32K (three chunks of the default budget) the select is 1.75
 top-k trails cuDNN's SM90 indexer by 1.0 ms (H100, Triton 3.6.0, BENCHMARKS.md, fortieth session). A smaller
 budget makes more chunks (more of the select overlapped, each score launch shorter).
 
-The overlapped form: the scores of each chunk on the current stream, an event, the side stream waits for it and
-selects the chunk (its orders buffer recorded on the side stream, so the allocator keeps it until the select is
-done: up to two chunks' buffers live at once); the current stream waits for the side stream at the end. Outputs
-must equal the shipped op's bit for bit (the same kernels on the same chunks). Prints, per T and budget: ms of each
-form (medians of alternating rounds), the ratio, peak MiB of each, and whether the outputs are equal.
+The overlapped form: two orders buffers of the largest chunk, allocated once; the scores of chunk i go into buffer
+i % 2 on the current stream (after the select of chunk i - 2, which read that buffer, is done: an event of the
+side stream), an event, the side stream waits for it and selects the chunk; the current stream waits for the side
+stream at the end. So two chunks' orders are live at once (the shipped op: one); a buffer freed with
+``record_stream`` instead would not come back to the allocator before the side stream passed it, and the host
+queues every chunk long before that: every chunk's buffer would be live. Outputs must equal the shipped op's bit
+for bit (the same kernels on the same chunks). Prints, per T and budget: ms of each form (medians of alternating
+rounds), the ratio, peak MiB of each, and whether the outputs are equal.
 """
 from __future__ import annotations
 
@@ -40,16 +43,22 @@ def overlapped_topk(q, k, w, cand, topk: int, budget: int, side: torch.cuda.Stre
     w = w.float().contiguous()
     config = dict(ixt.CONFIG)
     main = torch.cuda.current_stream()
+    chunks = list(ixt.query_chunks(T, width, out_width, budget))
+    rows = max(e - s for s, e in chunks)
+    buffers = [torch.empty(rows, width, dtype=torch.int32, device=q.device) for _ in range(min(2, len(chunks)))]
+    done = [torch.cuda.Event() for _ in buffers]
     with backend.exact_math(q.device):
-        for s, e in ixt.query_chunks(T, width, out_width, budget):
-            orders = ixt._score_orders(q[s:e], k, w[s:e], first[s:e], visible[s:e], table, shift, width, config)
+        for i, (s, e) in enumerate(chunks):
+            if i >= 2:
+                main.wait_event(done[i % 2])           # chunk i - 2's select has read this buffer
+            orders = ixt._score_orders(q[s:e], k, w[s:e], first[s:e], visible[s:e], table, shift, width, config,
+                                       out=buffers[i % 2][:e - s])
             formed = torch.cuda.Event()
             formed.record(main)
             side.wait_event(formed)
             with torch.cuda.stream(side):
                 ixt._select(orders, first[s:e], visible[s:e], table, shift, out[s:e], scores[s:e], config)
-            orders.record_stream(side)
-            del orders
+            done[i % 2].record(side)
     main.wait_stream(side)
     return out, scores
 
