@@ -1,7 +1,7 @@
 """Probe, to be measured and then adopted into the top-k op or deleted: each query chunk's select on a second CUDA
 stream, beside the shipped op (one stream), in alternating rounds.
 
-    python benchmarks/topk_overlap.py --T 8192 32768 65536 [--budget-log2 27 26 25] [--rounds 7]
+    python benchmarks/topk_overlap.py --T 8192 32768 65536 [--budget-log2 27 26 25 23] [--rounds 7]
 
 Why: the Gluon score kernel's program takes an SM's shared memory (164 KB) and 128 registers x 416 threads; the
 select kernel's four-warp program needs 4 KB and 94 registers a thread (96 as allocated: 12,288, what the score
@@ -10,7 +10,10 @@ SM with a score program. The select is instruction-bound on integer work and the
 free (0.61 of the matmul peak at 32K); on a second stream the select of chunk i may run while the scores of chunk
 i + 1 are formed. At 32K (three chunks of the default budget) the select is 1.75 of the 6.3 ms top-k, and the
 top-k trails cuDNN's SM90 indexer by 1.0 ms (H100, Triton 3.6.0, BENCHMARKS.md, fortieth session). A smaller
-budget makes more chunks (more of the select overlapped, each score launch shorter).
+budget makes more chunks (more of the select overlapped, each score launch shorter). At 8K the default budget
+makes one chunk (nothing to overlap); the score kernel's 408 programs there take 3.09 waves of 132, so chunks of
+about a wave each (2^23 words: four chunks of 2048 rows) would cost the score kernel little and let three of the
+four selects run beside it.
 
 The overlapped form: two orders buffers of the largest chunk, allocated once; the scores of chunk i go into buffer
 i % 2 on the current stream (after the select of chunk i - 2, which read that buffer, is done: an event of the
@@ -68,7 +71,7 @@ def main() -> None:
     from dsv4attn.ops.indexer import triton as ixt
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 65536])
-    ap.add_argument("--budget-log2", type=int, nargs="+", default=[27, 26, 25],
+    ap.add_argument("--budget-log2", type=int, nargs="+", default=[27, 26, 25, 23],
                     help="int32 words per chunk, as log2 (27: the op's default, ORDER_BUDGET)")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
