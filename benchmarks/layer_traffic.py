@@ -33,7 +33,8 @@ import dsv4attn
 from dsv4attn import backend
 from dsv4attn.ops import index_sets
 
-MATMULS = {"aten.mm.default", "aten.mm.out", "aten.bmm.default", "aten.bmm.out", "aten.addmm.default"}
+MATMULS = {"aten.mm.default", "aten.mm.out", "aten.bmm.default", "aten.bmm.out", "aten.addmm.default",
+           "aten.addmm_.default"}
 # Ops that move no data: views, allocations, metadata.
 FREE = {"aten.view.default", "aten.t.default", "aten.transpose.int", "aten.permute.default", "aten.slice.Tensor",
         "aten.unsqueeze.default", "aten.expand.default", "aten._unsafe_view.default", "aten.squeeze.dim",
@@ -63,7 +64,7 @@ class OpLog(TorchDispatchMode):
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         flop = 0
         if name in MATMULS:
-            a, b = (args[1], args[2]) if name == "aten.addmm.default" else (args[0], args[1])
+            a, b = (args[1], args[2]) if name.startswith("aten.addmm") else (args[0], args[1])
             flop = 2 * a.numel() * b.shape[-1]
         self.rows.append((self.direction, name, tuple(outs[0].shape) if outs else (), sum(map(_bytes, ins)),
                           sum(map(_bytes, outs)), flop))

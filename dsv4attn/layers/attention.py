@@ -14,7 +14,8 @@ from ..packing import PackedBatch, cached
 from ..parallel.setup import halo_rows, layer_frame
 from ..parallel.tensor import TensorParallel
 from ..rope import layer_rope_frequencies
-from .common import AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm, is_sharded, rope_rows
+from .common import (AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm, can_project_together, is_sharded,
+                     project_together, rope_rows)
 from .compressor import Compressor
 from .indexer import Indexer
 
@@ -209,10 +210,11 @@ class HybridAttention(KeepFp32Params):
         pos_q, pos_k = pack.row_position[frame.query_rows()], pack.row_position[frame.key_rows()]
         n_keys = x_keys.shape[0]
 
-        qr, q = self._queries(x, pos_q, inv_freq)
+        q_a, kv_raw, pool_inputs = self._input_projections(x, x_keys)
+        qr, q = self._queries(x, pos_q, inv_freq, q_a)
         # Replicated activations that this rank's heads consume enter through tp.copy: the backward sums the
         # ranks' partial gradients, so every replicated parameter before them gets the full gradient everywhere.
-        kv = tp.copy(rope_rows(self.kv_norm(self.kv_proj(x_keys)), pos_k, inv_freq))   # raw keys incl. the halo
+        kv = tp.copy(rope_rows(self.kv_norm(kv_raw), pos_k, inv_freq))   # raw keys incl. the halo
 
         # Index sets in key coordinates: raw key rows first, then the gathered compressed rows.
         window = frame.local_keys(Window(pack, c.sliding_window))
@@ -222,7 +224,8 @@ class HybridAttention(KeepFp32Params):
         sharded = frame.compressed == "sharded" and self.indexer is not None and phase == "sparse"
         if self.compress_ratio:
             owned, lowering = frame.owned_entries(self.compress_ratio)
-            local_compressed = tp.copy(self.compressor(x_keys, owned, inv_freq))
+            local_compressed = tp.copy(self.compressor(x_keys, owned, inv_freq) if pool_inputs is None else
+                                       self.compressor.from_projections(*pool_inputs, owned, inv_freq))
             if sharded:                          # fetched after the top-k, below
                 n_gathered = local_compressed.shape[0] * frame.world
             else:
@@ -333,10 +336,26 @@ class HybridAttention(KeepFp32Params):
         # them (fullgraph=True refuses it: move the layer with .to(device) first).
         self._kl_values(device)
 
-    def _queries(self, x, positions, inv_freq):
-        """(qr, q): the normalised low-rank query (T, q_lora_rank) and the RoPE'd queries (T, H, head_dim)."""
+    def _input_projections(self, x, x_keys):
+        """(q_a_proj(x), kv_proj(x_keys), the compressor's (kv_proj, gate_proj) of x_keys or None): the projections
+        of the layer's input rows. Those of one input are formed together where they can be
+        (:func:`.common.project_together`: d x accumulated by the products themselves instead of summed in passes of
+        its own); on one device x_keys is x, so all four. Where they cannot (hooks, wrappers, adapters, FSDP2 shards,
+        torch.compile tracing), each module runs itself, the compressor whole (None)."""
+        c = self.compressor
+        keys = [self.kv_proj] + ([c.kv_proj, c.gate_proj] if c is not None else [])
+        together = ([self.q_a_proj] if x_keys is x else []) + keys
+        if len(together) < 2 or not can_project_together(x_keys, together + ([c] if c is not None else [])):
+            return self.q_a_proj(x), self.kv_proj(x_keys), None
+        out = project_together(x_keys, together)
+        q_a = out.pop(0) if x_keys is x else self.q_a_proj(x)
+        return q_a, out[0], (tuple(out[1:]) if c is not None else None)
+
+    def _queries(self, x, positions, inv_freq, q_a=None):
+        """(qr, q): the normalised low-rank query (T, q_lora_rank) and the RoPE'd queries (T, H, head_dim);
+        ``q_a``: ``q_a_proj(x)`` if the caller formed it."""
         c = self.config
-        qr = self.q_a_norm(self.q_a_proj(x))
+        qr = self.q_a_norm(self.q_a_proj(x) if q_a is None else q_a)
         q = self.q_b_proj(self.tp.copy(qr)).view(x.shape[0], self.local_heads, c.head_dim)
         return qr, qnorm_rope(q, positions, inv_freq, c.rms_norm_eps)   # per-head RMSNorm, then RoPE
                                                                         # (docs/semantics.md, "Query path")

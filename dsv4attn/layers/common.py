@@ -149,6 +149,72 @@ class _GroupedMatmul(torch.autograd.Function):
         return dx, dw
 
 
+def can_project_together(x: torch.Tensor, modules) -> bool:
+    """Whether :func:`project_together` may bypass ``modules``' own forwards: eager (not while torch.compile traces),
+    every module without forward hooks or a ``forward`` replaced on the instance (FSDP2's gathers, device-placement
+    and offloading wrappers, adapters and the like hook, replace or subclass them), the projections plain bias-free
+    ``nn.Linear`` holding full (not FSDP2-sharded) weights of ``x``'s dtype (or under autocast)."""
+    if torch.compiler.is_compiling():
+        return False
+    from torch.nn.modules import module as _module
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return False
+    autocast = torch.is_autocast_enabled(x.device.type)
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m):
+            return False
+        if isinstance(m, nn.Linear):
+            if type(m) is not nn.Linear or m.bias is not None or is_sharded(m.weight):
+                return False
+            if m.weight.dtype != x.dtype and not autocast:
+                return False
+    return True
+
+
+def project_together(x: torch.Tensor, linears) -> list[torch.Tensor]:
+    """``[m(x) for m in linears]`` for bias-free ``nn.Linear`` modules reading one (rows, in) input ``x``, as one
+    autograd node: its backward accumulates d x in one tensor, each product after the first added to it in the
+    matmul's epilogue, where autograd would write one (rows, in) product per projection and add them up in separate
+    passes (in the CSA layer at 32K rows: three sums reading 0.5 and writing 0.25 GiB each, against one extra read of
+    0.25 GiB per product here: ~1.5 GiB less traffic, ~0.4 ms on an H200). The weight gradients are the usual
+    ``g_i^T x``. Call it only where :func:`can_project_together` holds. Under autocast
+    the operands are cast to its dtype first, as ``nn.Linear`` casts them."""
+    weights = [m.weight for m in linears]
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return list(_ProjectTogether.apply(x.to(dtype), *(w.to(dtype) for w in weights)))
+    return list(_ProjectTogether.apply(x, *weights))
+
+
+class _ProjectTogether(torch.autograd.Function):
+    """``(x W_1^T, ..., x W_n^T)`` for x (rows, in), W_i (out_i, in); d x = sum_i g_i W_i accumulated in one
+    (rows, in) tensor by the products themselves (outputs without a gradient left out)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x, w) for w in weights)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        used = [i for i, g in enumerate(grads) if g is not None]
+        dx = None
+        if ctx.needs_input_grad[0] and used:
+            # Each further product is added in its epilogue (beta = 1): one extra read of d x per projection, no
+            # concatenated copy of the gradients.
+            dx = grads[used[0]] @ weights[used[0]]
+            for i in used[1:]:
+                dx.addmm_(grads[i], weights[i])
+        dws = [grads[i].t() @ x if grads[i] is not None and ctx.needs_input_grad[1 + i] else None
+               for i in range(len(weights))]
+        return (dx, *dws)
+
+
 class AttachLoss(torch.autograd.Function):
     """Identity on ``out``; its backward also feeds gradient 1 into ``loss`` (Megatron's loss auto-scaler).
 

@@ -35,7 +35,13 @@ class Compressor(KeepFp32Params):
                 ) -> torch.Tensor:
         """x (T, hidden) -> (layout.capacity, head_dim); ``layout`` is the ratio's CompressedLayout of x's rows
         (or the PackedBatch to take it from)."""
+        return self.from_projections(self.kv_proj(x), self.gate_proj(x), layout, inv_freq)
+
+    def from_projections(self, kv: torch.Tensor, gate: torch.Tensor, layout: PackedBatch | CompressedLayout,
+                         inv_freq: torch.Tensor) -> torch.Tensor:
+        """The rest of :meth:`forward` given ``kv_proj(x)`` and ``gate_proj(x)`` (T, width): for a caller that
+        forms them together with other projections of the same rows (``layers.common.project_together``)."""
         if isinstance(layout, PackedBatch):
             layout = layout.compressed(self.ratio)
-        pooled = compress_pool(self.kv_proj(x), self.gate_proj(x), self.position_bias, layout)
+        pooled = compress_pool(kv, gate, self.position_bias, layout)
         return rope_rows(self.kv_norm(pooled), layout.entry_position, inv_freq)

@@ -450,3 +450,29 @@ def test_refilled_pack_equals_the_new_batch_pack(ratio, phase):
     for name in want[2]:
         assert torch.equal(got[2][name], want[2][name]), name
     assert (got[3] is None) == (want[3] is None) and (want[3] is None or torch.equal(got[3], want[3]))
+
+
+@pytest.mark.parametrize("ratio", RATIOS, ids=RATIO_IDS)
+def test_input_projections_formed_together_equal_the_modules_called_alone(ratio, monkeypatch):
+    """On one device the projections of the input rows (q_a, kv and the compressor's two) form one autograd node
+    (its d x one product); a hook on a projection makes every module run itself again. Outputs, d x and every
+    parameter's gradient agree (float64)."""
+    layer = make_layer(ratio)
+    cu, T, max_len = ragged_pack()
+    torch.manual_seed(5)
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    g = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    calls = []
+    real = attention_module.project_together
+    monkeypatch.setattr(attention_module, "project_together", lambda x, ms: calls.append(len(ms)) or real(x, ms))
+    together = run(layer, x, cu, max_len, "sparse", g)
+    assert calls == [4 if ratio else 2]
+    handle = layer.q_a_proj.register_forward_hook(lambda *a: None)
+    alone = run(layer, x, cu, max_len, "sparse", g)
+    handle.remove()
+    assert calls == [4 if ratio else 2]
+    torch.testing.assert_close(together[0], alone[0], rtol=0, atol=0)
+    torch.testing.assert_close(together[1], alone[1], rtol=1e-12, atol=1e-13)
+    assert together[2].keys() == alone[2].keys()
+    for name in together[2]:
+        torch.testing.assert_close(together[2][name], alone[2][name], rtol=1e-11, atol=1e-13, msg=name)

@@ -128,3 +128,82 @@ def test_grouped_linear_on_meta_and_twice_differentiated():
     (dx,) = torch.autograd.grad(m(x).pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
         dx.sum().backward()
+
+
+def _linears(*outs, inp=16, dtype=torch.float64):
+    torch.manual_seed(3)
+    return [torch.nn.Linear(inp, o, bias=False, dtype=dtype) for o in outs]
+
+
+def test_project_together_equals_the_modules_and_gradchecks():
+    """Outputs, d x and every weight's gradient as the modules called one by one (float64), with an output whose
+    gradient is absent (unused) and a weight that needs none; gradcheck of the node."""
+    from dsv4attn.layers.common import _ProjectTogether, can_project_together, project_together
+    ms = _linears(8, 4, 6)
+    ms[1].weight.requires_grad_(False)
+    x = torch.randn(9, 16, dtype=torch.float64, requires_grad=True)
+    assert can_project_together(x, ms)
+    ys = project_together(x, ms)
+    want = [m(x) for m in ms]
+    for y, w in zip(ys, want):
+        torch.testing.assert_close(y, w, rtol=0, atol=0)
+    gs = [torch.randn_like(y) for y in ys]
+    loss = (ys[0] * gs[0]).sum() + (ys[1] * gs[1]).sum()          # ys[2] unused: no gradient reaches it
+    dx, dw0 = torch.autograd.grad(loss, (x, ms[0].weight))
+    loss2 = (want[0] * gs[0]).sum() + (want[1] * gs[1]).sum()
+    dx2, dw02 = torch.autograd.grad(loss2, (x, ms[0].weight))
+    torch.testing.assert_close(dx, dx2, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(dw0, dw02, rtol=0, atol=0)
+    weights = [m.weight.detach().clone().requires_grad_(True) for m in ms]
+    assert torch.autograd.gradcheck(lambda a, *w: _ProjectTogether.apply(a, *w), (x, *weights))
+
+
+def test_project_together_under_autocast_casts_as_linear_does():
+    """Under autocast the products run in its dtype, bit for bit nn.Linear's, and fp32 weights get fp32 gradients."""
+    from dsv4attn.layers.common import can_project_together, project_together
+    ms = _linears(8, 4, dtype=torch.float32)
+    x = torch.randn(5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert can_project_together(x, ms)
+        ys = project_together(x, ms)
+        want = [m(x) for m in ms]
+    for y, w in zip(ys, want):
+        assert y.dtype == w.dtype == torch.bfloat16
+        torch.testing.assert_close(y, w, rtol=0, atol=0)
+    (dw,) = torch.autograd.grad(ys[0].float().sum(), ms[0].weight)
+    (dw2,) = torch.autograd.grad(want[0].float().sum(), ms[0].weight)
+    assert dw.dtype == torch.float32
+    torch.testing.assert_close(dw, dw2, rtol=0, atol=0)
+
+
+def test_project_together_is_refused_where_the_modules_must_run_themselves():
+    """Hooks (FSDP2's gathers, adapters), a forward replaced on the instance, subclasses, biases, a dtype the weights
+    do not have, and a module that only owns the projections (its forward would be bypassed) with a hook: the modules
+    run themselves then."""
+    from dsv4attn.layers.common import can_project_together
+
+    class Adapter(torch.nn.Linear):
+        pass
+
+    x = torch.randn(3, 16, dtype=torch.float64)
+    ms = _linears(8, 4)
+    assert can_project_together(x, ms)
+    assert not can_project_together(x.float(), ms)
+    owner = torch.nn.Module()
+    assert can_project_together(x, ms + [owner])
+    handle = owner.register_forward_pre_hook(lambda *a: None)
+    assert not can_project_together(x, ms + [owner])
+    handle.remove()
+    handle = ms[0].register_forward_hook(lambda *a: None)
+    assert not can_project_together(x, ms)
+    handle.remove()
+    wrapped = _linears(8)[0]
+    wrapped.forward = lambda t, inner=wrapped.forward: inner(t)    # e.g. a device-placement wrapper's
+    assert not can_project_together(x, [wrapped, ms[1]])
+    assert not can_project_together(x, [Adapter(16, 8, bias=False, dtype=torch.float64), ms[1]])
+    assert not can_project_together(x, [torch.nn.Linear(16, 8, dtype=torch.float64), ms[1]])
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *a: None)
+    try:
+        assert not can_project_together(x, ms)
+    finally:
+        handle.remove()
