@@ -345,7 +345,9 @@ class HybridAttention(KeepFp32Params):
         c = self.compressor
         keys = [self.kv_proj] + ([c.kv_proj, c.gate_proj] if c is not None else [])
         together = ([self.q_a_proj] if x_keys is x else []) + keys
-        if len(together) < 2 or not can_project_together(x_keys, together + ([c] if c is not None else [])):
+        owners = [] if c is None else [c]
+        own = c is None or type(c).forward is Compressor.forward     # a subclass's own forward must run
+        if len(together) < 2 or not own or not can_project_together(x_keys, together + owners):
             return self.q_a_proj(x), self.kv_proj(x_keys), None
         out = project_together(x_keys, together)
         q_a = out.pop(0) if x_keys is x else self.q_a_proj(x)

@@ -151,24 +151,36 @@ class _GroupedMatmul(torch.autograd.Function):
 
 def can_project_together(x: torch.Tensor, modules) -> bool:
     """Whether :func:`project_together` may bypass ``modules``' own forwards: eager (not while torch.compile traces),
-    every module without forward hooks or a ``forward`` replaced on the instance (FSDP2's gathers, device-placement
-    and offloading wrappers, adapters and the like hook, replace or subclass them), the projections plain bias-free
-    ``nn.Linear`` holding full (not FSDP2-sharded) weights of ``x``'s dtype (or under autocast)."""
+    no module with forward or backward hooks (global ones included) or a ``forward`` replaced on the instance
+    (FSDP2's gathers, device-placement and offloading wrappers, gradient probes, adapters hook, replace or subclass
+    them), the projections plain bias-free ``nn.Linear`` holding plain weights (no FSDP2 shard or other tensor
+    subclass) of ``x``'s dtype, or under autocast, which casts neither side when it is float64."""
     if torch.compiler.is_compiling():
         return False
     from torch.nn.modules import module as _module
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+    if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+            or _module._global_backward_pre_hooks):
         return False
-    autocast = torch.is_autocast_enabled(x.device.type)
+    autocast = _autocast_dtype(x) is not None
+    if autocast and x.dtype == torch.float64:
+        return False
     for m in modules:
-        if m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m):
+        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                or "forward" in vars(m)):
             return False
         if isinstance(m, nn.Linear):
-            if type(m) is not nn.Linear or m.bias is not None or is_sharded(m.weight):
+            if type(m) is not nn.Linear or m.bias is not None or type(m.weight) not in (torch.Tensor, nn.Parameter):
                 return False
-            if m.weight.dtype != x.dtype and not autocast:
+            if m.weight.dtype != x.dtype and (not autocast or m.weight.dtype == torch.float64):
                 return False
     return True
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
 
 
 def project_together(x: torch.Tensor, linears) -> list[torch.Tensor]:
@@ -180,10 +192,9 @@ def project_together(x: torch.Tensor, linears) -> list[torch.Tensor]:
     ``g_i^T x``. Call it only where :func:`can_project_together` holds. Under autocast
     the operands are cast to its dtype first, as ``nn.Linear`` casts them."""
     weights = [m.weight for m in linears]
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        with torch.autocast(device, enabled=False):
+    dtype = _autocast_dtype(x)
+    if dtype is not None:
+        with torch.autocast(x.device.type, enabled=False):
             return list(_ProjectTogether.apply(x.to(dtype), *(w.to(dtype) for w in weights)))
     return list(_ProjectTogether.apply(x, *weights))
 
@@ -195,7 +206,8 @@ class _ProjectTogether(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, *weights: torch.Tensor):
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, *weights)
+        # x only where a weight gradient needs it (frozen projections: nn.Linear would not keep it either).
+        ctx.save_for_backward(x if any(ctx.needs_input_grad[1:]) else None, *weights)
         return tuple(F.linear(x, w) for w in weights)
 
     @staticmethod

@@ -476,3 +476,27 @@ def test_input_projections_formed_together_equal_the_modules_called_alone(ratio,
     assert together[2].keys() == alone[2].keys()
     for name in together[2]:
         torch.testing.assert_close(together[2][name], alone[2][name], rtol=1e-11, atol=1e-13, msg=name)
+
+
+def test_a_compressor_subclass_with_its_own_forward_runs_it(monkeypatch):
+    """The layer bypasses Compressor.forward only where it is the class's: a subclass's override still runs (and the
+    projections then run one by one)."""
+    from dsv4attn.layers.compressor import Compressor
+    ran = []
+
+    class Logged(Compressor):
+        def forward(self, x, layout, inv_freq):
+            ran.append(x.shape[0])
+            return super().forward(x, layout, inv_freq)
+
+    layer = make_layer(4)
+    old = layer.compressor
+    layer.compressor = Logged(old.kv_proj.in_features, old.head_dim, old.ratio).double()
+    layer.compressor.load_state_dict(old.state_dict())
+    cu, T, max_len = ragged_pack()
+    calls = []
+    real = attention_module.project_together
+    monkeypatch.setattr(attention_module, "project_together", lambda x, ms: calls.append(len(ms)) or real(x, ms))
+    x = torch.randn(T, layer.config.hidden_size, dtype=torch.float64)
+    layer(x, cu_seqlens=cu, max_seqlen=max_len, phase="sparse")
+    assert ran == [T] and calls == []

@@ -177,9 +177,10 @@ def test_project_together_under_autocast_casts_as_linear_does():
 
 
 def test_project_together_is_refused_where_the_modules_must_run_themselves():
-    """Hooks (FSDP2's gathers, adapters), a forward replaced on the instance, subclasses, biases, a dtype the weights
-    do not have, and a module that only owns the projections (its forward would be bypassed) with a hook: the modules
-    run themselves then."""
+    """Forward and backward hooks (FSDP2's gathers, adapters, gradient probes), a forward replaced on the instance,
+    subclasses, biases, weights that are tensor subclasses, a dtype the weights do not have (float64 under autocast,
+    which autocast leaves alone), and a module that only owns the projections (its forward would be bypassed) with a
+    hook: the modules run themselves then."""
     from dsv4attn.layers.common import can_project_together
 
     class Adapter(torch.nn.Linear):
@@ -207,3 +208,23 @@ def test_project_together_is_refused_where_the_modules_must_run_themselves():
         assert not can_project_together(x, ms)
     finally:
         handle.remove()
+    for register in ("register_full_backward_hook", "register_full_backward_pre_hook"):
+        handle = getattr(ms[1], register)(lambda *a: None)          # a gradient probe must still see its gradients
+        assert not can_project_together(x, ms)
+        handle.remove()
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda *a: None)
+    try:
+        assert not can_project_together(x, ms)
+    finally:
+        handle.remove()
+
+    class Quantised(torch.Tensor):                                   # a weight that is a tensor subclass
+        pass
+
+    odd = _linears(8)[0]
+    odd.weight = torch.nn.Parameter(odd.weight.detach().as_subclass(Quantised))
+    assert not can_project_together(x, [odd, ms[1]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):                 # autocast leaves float64 alone
+        assert not can_project_together(x, ms)
+        assert can_project_together(x.float(), _linears(8, 4, dtype=torch.float32))
+    assert can_project_together(x, ms)
