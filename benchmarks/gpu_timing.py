@@ -23,6 +23,41 @@ def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def back_to_back_ms(fn, calls: int = 20, rounds: int = 5) -> float:
+    """Median milliseconds per call of ``calls`` calls of ``fn()`` between two events (no synchronisation between
+    them: the host runs ahead of the GPU, as in a training step), over ``rounds`` rounds."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def graph_ms(fn) -> float:
+    """Median milliseconds of a replay of ``fn()`` captured once in a CUDA graph (no host work per call)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())        # the inputs, made on the current stream
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()                                               # a warm-up on the capturing stream
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return time_ms(graph.replay)
+
+
 def paired_ms(fn_a, fn_b, rounds: int = 7) -> tuple[float, float, list[float]]:
     """Times two functions in alternating rounds (each a :func:`time_ms` of both, a first in even rounds, b first in
     odd ones), so that clock and temperature drift over the run reach both alike. Returns (median ms of a, median ms
