@@ -53,7 +53,7 @@ def test_sparse_attention_signature():
     extra = {name: p for name, p in params.items() if name not in list(params)[:5]}
     assert {name: p.default for name, p in extra.items()} == {"topk_length": None, "deterministic": False,
                                                               "output_rope": None, "mass_probe": None,
-                                                              "mass_offset": 0}
+                                                              "mass_offset": 0, "query_norm": None}
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra.values())
 
 

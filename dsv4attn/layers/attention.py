@@ -7,7 +7,7 @@ from torch import nn
 from .. import checks
 from ..checkpoints import load_attention_state_dict
 from ..config import AttentionConfig, check_phase, check_ratio
-from ..ops import (indexer_kl, indexer_kl_from_attention, indexer_topk, qnorm_rope, sparse_attention,
+from ..ops import (indexer_kl, indexer_kl_from_attention, indexer_topk, qnorm_rope_stats, sparse_attention,
                    sparse_attention_lse)
 from ..ops.index_sets import Concat, Explicit, Rows, VisibleCompressed, Window
 from ..packing import PackedBatch, cached
@@ -211,7 +211,7 @@ class HybridAttention(KeepFp32Params):
         n_keys = x_keys.shape[0]
 
         q_a, kv_raw, pool_inputs = self._input_projections(x, x_keys)
-        qr, q = self._queries(x, pos_q, inv_freq, q_a)
+        qr, q, query_norm = self._queries(x, pos_q, inv_freq, q_a)
         # Replicated activations that this rank's heads consume enter through tp.copy: the backward sums the
         # ranks' partial gradients, so every replicated parameter before them gets the full gradient everywhere.
         kv = tp.copy(rope_rows(self.kv_norm(kv_raw), pos_k, inv_freq))   # raw keys incl. the halo
@@ -282,7 +282,7 @@ class HybridAttention(KeepFp32Params):
         # The output comes rotated back by the query's angle (the inverse RoPE, fused into the kernels' epilogue;
         # always a new tensor: docs/semantics.md, invariant 9.1).
         out, lse = sparse_attention(q, keys, index_set, self.sinks, c.softmax_scale, output_rope=(pos_q, inv_freq),
-                                    mass_probe=probe, mass_offset=window.width)
+                                    mass_probe=probe, mass_offset=window.width, query_norm=query_norm)
         if loss is not None:
             out = AttachLoss.apply(out, loss)
         G = self.local_groups                      # this rank's heads make exactly these groups
@@ -354,13 +354,16 @@ class HybridAttention(KeepFp32Params):
         return q_a, out[0], (tuple(out[1:]) if c is not None else None)
 
     def _queries(self, x, positions, inv_freq, q_a=None):
-        """(qr, q): the normalised low-rank query (T, q_lora_rank) and the RoPE'd queries (T, H, head_dim);
-        ``q_a``: ``q_a_proj(x)`` if the caller formed it."""
+        """(qr, q, query_norm): the normalised low-rank query (T, q_lora_rank), the RoPE'd queries (T, H, head_dim)
+        without a graph of their own, and ``(queries before the norm, rstd)`` for ``sparse_attention(...,
+        query_norm=)``, whose backward gives the gradient of those (the norm's backward inside the attention's,
+        not a pass of its own over dq and q); ``q_a``: ``q_a_proj(x)`` if the caller formed it."""
         c = self.config
         qr = self.q_a_norm(self.q_a_proj(x) if q_a is None else q_a)
         q = self.q_b_proj(self.tp.copy(qr)).view(x.shape[0], self.local_heads, c.head_dim)
-        return qr, qnorm_rope(q, positions, inv_freq, c.rms_norm_eps)   # per-head RMSNorm, then RoPE
-                                                                        # (docs/semantics.md, "Query path")
+        # per-head RMSNorm, then RoPE (docs/semantics.md, "Query path")
+        q_normed, rstd = qnorm_rope_stats(q, positions, inv_freq, c.rms_norm_eps)
+        return qr, q_normed, (q, rstd)
 
     @torch.no_grad()
     def _outside_lse(self, q, kv, window):
@@ -387,7 +390,7 @@ class HybridAttention(KeepFp32Params):
                             dtypes=checks.FLOATS, device=pack.device)
         x, inv_freq, pos = hidden_states, self._rope_table(hidden_states.device), pack.row_position
         layout = pack.compressed(4)
-        qr, q = self._queries(x, pos, inv_freq)
+        qr, q, _ = self._queries(x, pos, inv_freq)
         kv = rope_rows(self.kv_norm(self.kv_proj(x)), pos, inv_freq)
         compressed = self.compressor(x, layout, inv_freq).to(q.dtype)
         index_q, index_k, index_w = self.indexer(x, qr, pos, x, layout, inv_freq)

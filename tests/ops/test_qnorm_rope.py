@@ -452,3 +452,26 @@ def test_bad_eps_names_it(eps, shown):
     from dsv4attn.ops import qnorm_rope
     with pytest.raises(ValueError, match=r"eps must be a finite number >= 0, got " + re.escape(shown)):
         qnorm_rope(torch.zeros(6, 2, 64), torch.arange(6), torch.ones(8, dtype=torch.float64), eps)
+
+
+@pytest.mark.parametrize("rope_dim", [0, 4])
+def test_stats_and_input_grad_match_autograd_in_float64(rope_dim):
+    """``qnorm_rope_stats``: qnorm_rope's output and its per-(row, head) rstd, without a graph;
+    ``qnorm_rope_input_grad``: qnorm_rope's input gradient from its output and rstd (what sparse_attention's
+    ``query_norm`` applies), equal to autograd's in float64."""
+    from dsv4attn.ops.qnorm_rope import qnorm_rope, qnorm_rope_input_grad, qnorm_rope_stats
+    from dsv4attn.rope import rope_frequencies
+    pack = build_pack(RAGGED_R4, padding=2)
+    T, H, D = pack.total_rows, 3, 16
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(T, H, D, generator=gen, dtype=torch.float64) * 3).requires_grad_(True)
+    inv_freq = rope_frequencies(rope_dim, 10000.0) if rope_dim else torch.zeros(0, dtype=torch.float64)
+    q = qnorm_rope(x, pack.row_position, inv_freq, EPS)
+    grad = torch.randn(T, H, D, generator=gen, dtype=torch.float64)
+    q.backward(grad)
+    got, rstd = qnorm_rope_stats(x, pack.row_position, inv_freq, EPS)
+    assert not got.requires_grad and rstd.shape == (T, H) and rstd.dtype == torch.float64
+    torch.testing.assert_close(got, q.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(rstd, torch.rsqrt(x.detach().pow(2).mean(-1) + EPS), rtol=1e-15, atol=0)
+    dx = qnorm_rope_input_grad(grad, got, rstd, pack.row_position, inv_freq)
+    torch.testing.assert_close(dx, x.grad, rtol=1e-10, atol=1e-12)

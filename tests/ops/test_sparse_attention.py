@@ -433,6 +433,63 @@ def test_output_rope_bad_input(case):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# query_norm: the attention's backward gives the gradient of the query norm's input; equal (float64) to qnorm_rope
+# followed by the attention through autograd.
+
+@pytest.mark.parametrize("indices", ["tensor", "index-set"])
+@pytest.mark.parametrize("pairs", [0, 2])
+@pytest.mark.parametrize("output_rope", [True, False])
+def test_query_norm_equals_qnorm_rope_then_attention(indices, pairs, output_rope):
+    from dsv4attn.ops.qnorm_rope import qnorm_rope, qnorm_rope_stats
+    pack, x, kv, sink, index_set = ragged_sets(26)
+    x = x * 3
+    arg = index_set.materialize().to(torch.int32) if indices == "tensor" else index_set
+    positions = pack.row_position
+    inv_freq = 10000.0 ** (-torch.arange(pairs if output_rope else 0, dtype=torch.float64) / max(pairs, 1))
+    rope = (positions, inv_freq) if output_rope else None
+    grad_out = torch.randn(x.shape, dtype=torch.float64)
+
+    def in_op(x_, kv_, s_):
+        q, rstd = qnorm_rope_stats(x_, positions, inv_freq, 1e-6)
+        assert not q.requires_grad
+        return sparse_attention(q, kv_, arg, s_, output_rope=rope, query_norm=(x_, rstd))
+
+    def composed(x_, kv_, s_):
+        return sparse_attention(qnorm_rope(x_, positions, inv_freq, 1e-6), kv_, arg, s_, output_rope=rope)
+
+    got, want = run_with_grads(in_op, x, kv, sink, grad_out), run_with_grads(composed, x, kv, sink, grad_out)
+    assert got[2].abs().max() > 0.01
+    for name, a, b in zip(("out", "lse", "dx", "dkv", "dsink"), got, want):
+        torch.testing.assert_close(a, b, **FP64, msg=lambda m: f"{name}: {m}")
+
+
+QUERY_NORM_BAD = {
+    "not_a_pair": (lambda q, x, r: x, TypeError, r"query_norm must be an \(x, rstd\) pair"),
+    "x_shape": (lambda q, x, r: (x[:, :1], r), ValueError, r"query_norm x must have shape"),
+    "x_dtype": (lambda q, x, r: (x.float(), r), ValueError, r"query_norm x must have dtype"),
+    "rstd_shape": (lambda q, x, r: (x, r[:, :1]), ValueError, r"query_norm rstd must have shape"),
+    "rstd_dtype": (lambda q, x, r: (x, r.float()), ValueError, r"query_norm rstd must have dtype"),
+}
+
+
+@pytest.mark.parametrize("case", list(QUERY_NORM_BAD))
+def test_query_norm_bad_input(case):
+    make, error, pattern = QUERY_NORM_BAD[case]
+    x, kv, idx, sink = make_case(27)
+    rstd = torch.rsqrt(x.pow(2).mean(-1) + 1e-6)
+    with pytest.raises(error, match=pattern):
+        sparse_attention(x * rstd[..., None], kv, idx, sink, query_norm=make(x, x, rstd))
+
+
+def test_query_norm_refuses_a_query_with_a_gradient_of_its_own():
+    x, kv, idx, sink = make_case(28)
+    rstd = torch.rsqrt(x.pow(2).mean(-1) + 1e-6)
+    q = (x * rstd[..., None]).requires_grad_(True)
+    with pytest.raises(ValueError, match=r"q must not require grad when query_norm is given"):
+        sparse_attention(q, kv, idx, sink, query_norm=(x, rstd))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Determinism: the reference is deterministic in both modes (fixed-order sums only), so the flag changes nothing.
 
 @pytest.mark.parametrize("indices", ["tensor", "index-set"])

@@ -76,6 +76,8 @@ LAYOUTS = ("FUSED", "SPLIT")
 # The output's inverse RoPE fused into the forward (``output_rope``): case -> rotated channel pairs (part of a
 # 64-wide head, the V4 32 pairs of 512, every channel of a 128-wide head).
 ROPE_CASES = {"bf16-H5": 16, "bf16-H5-D512-K70-multiblock": 32, "fp32-H5-D128": 64}
+# query_norm (the norm's backward in the dq epilogue): the FUSED layout at D = 64, SPLIT at D = 512 (V4's 32 pairs).
+QUERY_NORM_CASES = {"bf16-H5": 16, "bf16-H5-D512-K70-multiblock": 32}
 LAYOUT_DET_ROWS = 3                                                   # rows per deterministic buffer chunk
 MASS_SLOTS = (5, 60)                       # (offset, width) of the teacher-mass slots in the layout cases (K = 70)
 
@@ -170,6 +172,42 @@ def _run_public(q, kv, idx, sink, grad_out, **kwargs):
     out, lse = sparse_attention(q, kv, idx, sink, **kwargs)
     out.backward(grad_out.to(out.dtype))
     return [x.detach().to(torch.float64) for x in (out, lse, q.grad, kv.grad, sink.grad)]
+
+
+QUERY_NORM_NAMES = ("out", "lse", "dx", "dkv", "d_sink")
+
+
+def _run_query_norm(x, kv, idx, sink, grad_out, positions, inv_freq, norm_in_op, sa_triton=None):
+    """(out, lse, dx, dkv, d_sink) of qnorm_rope then sparse_attention (output rotated back by the same angles):
+    ``norm_in_op``: through ``query_norm`` (the attention's backward gives dx), else composed through autograd.
+    ``sa_triton``: the backward as on SM90 today, the kernel's dq then the norm's backward as a pass of its own (the
+    Gluon path, stood in for by the Triton kernel without its QNORM epilogue)."""
+    from dsv4attn.ops import sparse_attention
+    from dsv4attn.ops.qnorm_rope import qnorm_rope, qnorm_rope_stats
+    x, kv, sink = (t.detach().clone().requires_grad_(True) for t in (x, kv, sink))
+    rope = (positions, inv_freq)
+    saved = None
+    if sa_triton is not None:
+        saved = sa_triton.backward_kernel, sa_triton._gluon_bwd
+
+        def stand_in(q, kv_, idx_, grad_out_, denom2, delta, dq, dkv, scale, rope_=None, deterministic=False,
+                     mass_slots=None):
+            cfg = dict(sa_triton.BWD_CONFIGS[q.shape[2]])
+            layout = cfg.pop("LAYOUT")
+            return True, sa_triton._rows_bwd(q, kv_, idx_, grad_out_, denom2, delta, dq, dkv, scale, cfg,
+                                             deterministic, layout, rope_, mass_slots)
+        sa_triton.backward_kernel, sa_triton._gluon_bwd = (lambda q: "gluon"), stand_in
+    try:
+        if norm_in_op:
+            q, rstd = qnorm_rope_stats(x, positions, inv_freq, 1e-6)
+            out, lse = sparse_attention(q, kv, idx, sink, output_rope=rope, query_norm=(x, rstd))
+        else:
+            out, lse = sparse_attention(qnorm_rope(x, positions, inv_freq, 1e-6), kv, idx, sink, output_rope=rope)
+        out.backward(grad_out.to(out.dtype))
+    finally:
+        if saved is not None:
+            sa_triton.backward_kernel, sa_triton._gluon_bwd = saved
+    return [t.detach().to(torch.float64) for t in (out, lse, x.grad, kv.grad, sink.grad)]
 
 
 def _probe_grad(q, kv, idx, sink, grad_out, offset, width):
@@ -273,6 +311,22 @@ def _worker() -> None:
                      sink.double(), grad_out.double())
         results["rope"][case_id] = dict(bounds=_compare(fused, ref_low, exact),
                                         deterministic_bounds=_compare(fixed, ref_low, exact))
+    results["query_norm"] = {}
+    for case_id, pairs in QUERY_NORM_CASES.items():
+        c = CASES[case_id]
+        x, kv, idx, sink, grad_out = _inputs(c, 50 + list(CASES).index(case_id))
+        x = x * 3                                                   # rms 3: the norm matters
+        positions, inv_freq = _rope_of(c, pairs, 7)
+        fused = _run_query_norm(x, kv, idx, sink, grad_out, positions, inv_freq, True)
+        after = _run_query_norm(x, kv, idx, sink, grad_out, positions, inv_freq, True, sa_triton=sa_triton)
+        backend.set_backend("reference")
+        ref_low = _run_query_norm(x, kv, idx, sink, grad_out, positions, inv_freq, False)
+        exact = _run_query_norm(x.double(), kv.double(), idx, sink.double(), grad_out.double(), positions, inv_freq,
+                                False)
+        backend.set_backend("triton")
+        results["query_norm"][case_id] = dict(bounds=_compare(fused, ref_low, exact, names=QUERY_NORM_NAMES),
+                                              after_bounds=_compare(after, ref_low, exact, names=QUERY_NORM_NAMES),
+                                              out_as_without=torch.equal(fused[0], after[0]))
     # The forward in value-column slices (BLOCK_DV < D, each program rotates its own slice), fp32 against float64.
     from dsv4attn.ops.index_sets import Explicit
     c = CASES["fp32-H5-D128"]
@@ -456,7 +510,7 @@ def _assert_within_bounds(case_id, measured, low_precision):
     for name, m in measured.items():
         assert m["same_pattern"], f"{case_id} {name}: NaN/inf pattern differs from the float64 reference"
         if low_precision:
-            bound = low_precision_bound(m, 3.0 if name in GRADS else 2.0)
+            bound = low_precision_bound(m, 3.0 if name in GRADS + ("dx",) else 2.0)
         else:
             bound = 1e-5 * max(m["magnitude"], 1e-30)
         assert_error_within(f"{case_id} {name}", m, bound)
@@ -547,6 +601,18 @@ def test_output_rotation_matches_float64_reference(interpreted, case_id):
     _assert_within_bounds(f"{case_id} output_rope", m["bounds"], CASES[case_id]["dtype"] != "fp32")
     _assert_within_bounds(f"{case_id} output_rope deterministic", m["deterministic_bounds"],
                           CASES[case_id]["dtype"] != "fp32")
+
+
+@pytest.mark.parametrize("case_id", list(QUERY_NORM_CASES))
+def test_query_norm_matches_float64_reference(interpreted, case_id):
+    """``query_norm``: the gradient of the norm's input from the backward kernel's dq epilogue (and, as on SM90,
+    from the norm's backward as a pass after the kernel's dq) within the bounds of the low-precision composition
+    qnorm_rope -> sparse_attention; the forward is the plain one."""
+    m = interpreted["query_norm"][case_id]
+    low = CASES[case_id]["dtype"] != "fp32"
+    _assert_within_bounds(f"{case_id} query_norm", m["bounds"], low)
+    _assert_within_bounds(f"{case_id} query_norm, norm backward after the kernel", m["after_bounds"], low)
+    assert m["out_as_without"]
 
 
 @pytest.mark.parametrize("pairs", ["24", "64"])

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ... import backend, checks
-from .reference import inverse_rope_reference, qnorm_rope_reference, rope_rotate_reference
+from .reference import (inverse_rope_reference, qnorm_rope_input_grad_reference, qnorm_rope_reference,
+                        rope_rotate_reference, rstd_reference)
 
 _INTEGERS = (torch.int32, torch.int64)
 
@@ -52,6 +53,33 @@ def qnorm_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
         if backend.choose("qnorm_rope", x.device) == "triton":
             return backend.kernel("qnorm_rope")(x, positions, inv_freq, eps)
         return qnorm_rope_reference(x, positions, inv_freq, eps)
+
+
+@torch.no_grad()
+def qnorm_rope_stats(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, rstd): :func:`qnorm_rope`'s output without a gradient, and each (row, head)'s ``rstd = 1 / sqrt(mean(x^2)
+    + eps)``, (T, H) fp32 (fp64 for fp64 ``x``). What ``sparse_attention(..., query_norm=(x, rstd))`` takes: the
+    attention's backward then returns the gradient of ``x`` itself (:func:`qnorm_rope_input_grad`), and no pass of
+    its own runs for the query norm's backward. Arguments as :func:`qnorm_rope`."""
+    _check(x, positions, inv_freq)
+    eps = checks.check_eps(eps)
+    with backend.exact_math(x.device):
+        if backend.choose("qnorm_rope", x.device) == "triton":
+            return _triton_kernels.qnorm_rope_stats_triton(x, positions, inv_freq, eps)
+        return qnorm_rope_reference(x, positions, inv_freq, eps), rstd_reference(x, eps)
+
+
+def qnorm_rope_input_grad(grad: torch.Tensor, q: torch.Tensor, rstd: torch.Tensor, positions: torch.Tensor,
+                          inv_freq: torch.Tensor) -> torch.Tensor:
+    """d x of :func:`qnorm_rope` from the gradient ``grad`` of its output ``q`` (both (T, H, D)) and ``rstd`` (T, H)
+    of :func:`qnorm_rope_stats`: ``rstd * (dy - y * mean(dy * y))`` with ``dy``, ``y`` the gradient and the output
+    rotated back by ``-angle`` (the normalised rows, recovered from ``q``). In ``q.dtype``; no graph. For
+    ``sparse_attention(..., query_norm=...)`` where its kernel does not apply the norm's backward itself."""
+    with backend.exact_math(q.device):
+        if backend.choose("qnorm_rope", q.device) == "triton":
+            return _triton_kernels.qnorm_rope_input_grad_triton(grad, q, rstd, positions, inv_freq)
+        return qnorm_rope_input_grad_reference(grad, q, rstd, positions, inv_freq)
 
 
 def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -101,5 +129,5 @@ try:  # registers the Triton kernels with the backend (used on CUDA); CPU-only i
 except ImportError:
     _triton_kernels = None
 
-__all__ = ["qnorm_rope", "rope_rotate", "inverse_rope", "qnorm_rope_reference", "rope_rotate_reference",
-           "inverse_rope_reference"]
+__all__ = ["qnorm_rope", "qnorm_rope_stats", "qnorm_rope_input_grad", "rope_rotate", "inverse_rope",
+           "qnorm_rope_reference", "rope_rotate_reference", "inverse_rope_reference"]

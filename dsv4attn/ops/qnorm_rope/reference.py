@@ -24,6 +24,25 @@ def qnorm_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: tor
     return apply_rope(rms_norm_unweighted(x, eps), positions, inv_freq)
 
 
+def rstd_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(T, H) ``1 / sqrt(mean(x^2) + eps)`` over each head's channels, in fp32 (fp64 for fp64 ``x``): the statistic
+    :func:`dsv4attn.norms.rms_norm_unweighted` forms."""
+    cd = torch.promote_types(x.dtype, torch.float32)
+    return torch.rsqrt(x.to(cd).pow(2).mean(-1) + eps)
+
+
+def qnorm_rope_input_grad_reference(grad: torch.Tensor, q: torch.Tensor, rstd: torch.Tensor, positions: torch.Tensor,
+                                    inv_freq: torch.Tensor) -> torch.Tensor:
+    """d x of ``qnorm_rope_reference`` from its output ``q``, the output's gradient ``grad`` and ``rstd`` (T, H):
+    ``rstd * (dy - y * mean(dy * y))`` with ``dy`` and ``y = x * rstd`` rotated back by ``-angle`` from ``grad`` and
+    ``q``, in ``rstd``'s dtype, rounded once to ``q.dtype``."""
+    cd = rstd.dtype
+    dy = apply_rope(grad.to(cd), positions, inv_freq, inverse=True)
+    y = apply_rope(q.to(cd), positions, inv_freq, inverse=True)
+    r = rstd[..., None]
+    return (r * (dy - y * (dy * y).mean(-1, keepdim=True))).to(q.dtype)
+
+
 def rope_rotate_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """``apply_rope(x, positions, inv_freq)``: a new (T, H, D) tensor."""
     return apply_rope(x, positions, inv_freq)
@@ -34,4 +53,5 @@ def inverse_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: t
     return apply_rope(x, positions, inv_freq, inverse=True)
 
 
-__all__ = ["qnorm_rope_reference", "rope_rotate_reference", "inverse_rope_reference"]
+__all__ = ["qnorm_rope_reference", "rope_rotate_reference", "inverse_rope_reference", "rstd_reference",
+           "qnorm_rope_input_grad_reference"]

@@ -35,7 +35,8 @@ import triton.language as tl
 from ... import backend, variants
 from ..triton_common import interpreting, round_to
 from ...rope import rope_cos_sin
-from .reference import inverse_rope_reference, qnorm_rope_reference, rope_rotate_reference
+from .reference import (inverse_rope_reference, qnorm_rope_input_grad_reference, qnorm_rope_reference,
+                        rope_rotate_reference, rstd_reference)
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -254,6 +255,27 @@ def qnorm_rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.
     return qnorm_rope_op(x.contiguous(), cos, sin, float(eps))[0]
 
 
+def qnorm_rope_stats_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton implementation behind :func:`dsv4attn.ops.qnorm_rope.qnorm_rope_stats` (no graph; arguments checked):
+    the forward kernel's output and its rstd. float64 (and odd head dims with RoPE channels) fall back to the
+    reference."""
+    if not kernel_supports(x, inv_freq):
+        return qnorm_rope_reference(x, positions, inv_freq, eps), rstd_reference(x, eps)
+    cos, sin = rope_table(positions, inv_freq)
+    return qnorm_rope_op(x.contiguous(), cos, sin, float(eps))      # the op: opaque to torch.compile
+
+
+def qnorm_rope_input_grad_triton(grad: torch.Tensor, q: torch.Tensor, rstd: torch.Tensor, positions: torch.Tensor,
+                                 inv_freq: torch.Tensor) -> torch.Tensor:
+    """Triton implementation behind :func:`dsv4attn.ops.qnorm_rope.qnorm_rope_input_grad`: the backward kernel
+    (float64 and the like: the reference)."""
+    if not kernel_supports(q, inv_freq) or rstd.dtype != torch.float32:
+        return qnorm_rope_input_grad_reference(grad, q, rstd, positions, inv_freq)
+    cos, sin = rope_table(positions, inv_freq)
+    return qnorm_rope_backward_op(grad.to(q.dtype).contiguous(), q.contiguous(), rstd.contiguous(), cos, sin)
+
+
 def _rotate_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool,
                    reference) -> torch.Tensor:
     if not kernel_supports(x, inv_freq):
@@ -284,5 +306,5 @@ backend.register_kernel("qnorm_rope", qnorm_rope_triton)
 backend.register_kernel("rope_rotate", rope_rotate_triton)
 backend.register_kernel("inverse_rope", inverse_rope_triton)
 
-__all__ = ["qnorm_rope_triton", "rope_rotate_triton", "inverse_rope_triton", "qnorm_rope_op", "qnorm_rope_backward_op",
+__all__ = ["qnorm_rope_triton", "qnorm_rope_stats_triton", "qnorm_rope_input_grad_triton", "rope_rotate_triton", "inverse_rope_triton", "qnorm_rope_op", "qnorm_rope_backward_op",
            "rope_rotate_op", "kernel_supports", "rope_table", "CONFIGS"]

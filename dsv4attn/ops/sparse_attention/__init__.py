@@ -15,7 +15,8 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet, attn_sink: torch.Tensor,
                      softmax_scale: float | None = None, *, topk_length: torch.Tensor | None = None,
                      deterministic: bool = False, output_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     mass_probe: torch.Tensor | None = None, mass_offset: int = 0):
+                     mass_probe: torch.Tensor | None = None, mass_offset: int = 0,
+                     query_norm: tuple[torch.Tensor, torch.Tensor] | None = None):
     """One softmax per (row, head) over the keys ``indices[t]`` plus the sink logit (docs/semantics.md, decision 5).
 
     Args:
@@ -50,6 +51,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
             kernels from the probabilities they form anyway. The node that made the probe
             (:func:`dsv4attn.ops.indexer_kl_from_attention`) turns it into the KL's gradient. Every backend forms
             it (the Gluon and Triton backwards in the pass that forms dq, the reference from its probabilities).
+        query_norm: optional ``(x, rstd)`` from :func:`dsv4attn.ops.qnorm_rope.qnorm_rope_stats`: ``q`` is
+            ``qnorm_rope(x)`` (per-head unweighted RMSNorm, then RoPE by ``output_rope``'s angles; no rotation
+            without ``output_rope``) and ``rstd`` (T, H) its fp32 (fp64 for fp64 ``q``) ``1 / rms``; ``x`` is
+            (T, H, D) in ``q``'s dtype and ``q`` must not require grad. The gradient then goes to ``x``: the
+            Triton backward applies the norm's backward in its dq epilogue instead of the pass
+            :func:`dsv4attn.ops.qnorm_rope` would run over dq and q (on SM90 the Gluon backward still runs that
+            pass after its dq). Values are those of ``q`` as given; ``x`` is not read by the forward.
     Returns:
         out: (T, H, D) in ``q.dtype``; rows without a valid index give 0.
         lse: (T, H) fp32 (fp64 for fp64 inputs), natural log, **excluding** the sink; ``-inf`` for empty rows.
@@ -71,6 +79,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
         _check_output_rope(output_rope, T, D, q.device)
     if mass_probe is not None:
         _check_mass_probe(mass_probe, mass_offset, q, width)
+    if query_norm is not None:
+        _check_query_norm(query_norm, q)
     scale = checks.check_scale(softmax_scale, D)
     if checks.values_readable():                    # the debug mode ("values"): raise where the default masks
         if isinstance(indices, torch.Tensor):
@@ -86,9 +96,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | 
     if backend.choose("sparse_attention", q.device) == "triton":
         return backend.kernel("sparse_attention")(q, kv, indices, attn_sink, scale, topk_length=topk_length,
                                                   deterministic=deterministic, output_rope=output_rope,
-                                                  mass_probe=mass_probe, mass_offset=mass_offset)
+                                                  mass_probe=mass_probe, mass_offset=mass_offset,
+                                                  query_norm=query_norm)
     return run(q, kv, indices, attn_sink, scale, topk_length, deterministic, "reference", output_rope, mass_probe,
-               mass_offset)
+               mass_offset, query_norm)
 
 
 def sparse_attention_lse(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet,
@@ -156,6 +167,18 @@ def _check_output_rope(output_rope, T: int, D: int, device) -> None:
     if 2 * inv_freq.shape[0] > D:
         raise ValueError(f"output_rope inv_freq of length {inv_freq.shape[0]} rotates {2 * inv_freq.shape[0]} "
                          f"channels, more than q's head dim {D}")
+
+
+def _check_query_norm(query_norm, q: torch.Tensor) -> None:
+    if not (isinstance(query_norm, (tuple, list)) and len(query_norm) == 2):
+        raise TypeError(f"query_norm must be an (x, rstd) pair of tensors, got {type(query_norm).__name__}")
+    x, rstd = query_norm
+    checks.check_tensor("query_norm x", x, shape=tuple(q.shape), dtypes=(q.dtype,), device=q.device)
+    checks.check_tensor("query_norm rstd", rstd, shape=tuple(q.shape[:2]),
+                        dtypes=(torch.promote_types(q.dtype, torch.float32),), device=q.device)
+    if q.requires_grad:
+        raise ValueError("q must not require grad when query_norm is given: the gradient goes to query_norm's x "
+                         "(make q under torch.no_grad(), e.g. with qnorm_rope_stats)")
 
 
 def _check_mass_probe(probe, offset, q: torch.Tensor, width: int) -> None:

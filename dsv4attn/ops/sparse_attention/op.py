@@ -22,6 +22,7 @@ import torch
 from ... import backend
 from ...rope import apply_rope
 from ..index_sets import Explicit, IndexSet, chunk_rows
+from ..qnorm_rope.reference import qnorm_rope_input_grad_reference
 from .reference import reference_backward, reference_forward, reference_lse, sparse_attention_reference
 
 IMPLS = ("reference", "triton")
@@ -59,7 +60,8 @@ def sparse_attention_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
                         softmax_scale: float, topk_length: Optional[torch.Tensor], deterministic: bool,
                         impl: str, rope_positions: Optional[torch.Tensor] = None,
                         rope_inv_freq: Optional[torch.Tensor] = None, mass_probe: Optional[torch.Tensor] = None,
-                        mass_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                        mass_offset: int = 0, query_input: Optional[torch.Tensor] = None,
+                        query_rstd: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of :func:`dsv4attn.ops.sparse_attention` for (T, K) tensor indices, arguments already checked.
 
     ``deterministic`` only affects the backward; ``impl`` names the backend ("reference" or "triton").
@@ -69,6 +71,8 @@ def sparse_attention_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     ``rope_positions`` (T,) and ``rope_inv_freq`` (R/2,): the output comes rotated back by ``-positions * inv_freq``
     on its last R channels (``output_rope``: the kernels rotate before their one rounding, the reference rounds,
     then rotates with :func:`dsv4attn.rope.apply_rope`).
+    ``query_input`` (T, H, D) and ``query_rstd`` (T, H) (``query_norm``): q is ``qnorm_rope(query_input)`` with that
+    rstd and the output's angles; the forward reads neither, the backward gives the gradient to ``query_input``.
     Returns out (T, H, D) ``q.dtype`` and lse (T, H) fp32 (fp64 for fp64 ``q``), both contiguous.
     """
     idx = limit_slots(indices, topk_length)
@@ -85,7 +89,8 @@ def sparse_attention_op(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
 
 @sparse_attention_op.register_fake
 def _sparse_attention_fake(q, kv, indices, attn_sink, softmax_scale, topk_length, deterministic, impl,
-                           rope_positions=None, rope_inv_freq=None, mass_probe=None, mass_offset=0):
+                           rope_positions=None, rope_inv_freq=None, mass_probe=None, mass_offset=0, query_input=None,
+                           query_rstd=None):
     T, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((T, H), dtype=torch.promote_types(q.dtype, torch.float32))
 
@@ -96,7 +101,7 @@ def sparse_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, kv: to
                                  topk_length: Optional[torch.Tensor], deterministic: bool,
                                  impl: str, rope_positions: Optional[torch.Tensor] = None,
                                  rope_inv_freq: Optional[torch.Tensor] = None, mass_offset: int = 0,
-                                 mass_width: int = 0
+                                 mass_width: int = 0, query_rstd: Optional[torch.Tensor] = None
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq ``q.dtype``, dkv ``kv.dtype``, d_attn_sink ``attn_sink.dtype`` from the forward's saved ``out`` and ``lse``
     (the one-pass GPU backward forms Delta = rowsum(dO * out) from ``out``; the other backends recompute it), and
@@ -108,6 +113,7 @@ def sparse_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, kv: to
     (by ``+positions * inv_freq``, rounded to its dtype) before the attention's backward; Delta, a sum of per-head
     dot products, is the same in either frame, so the kernels' pre-pass forms it from the two as given.
     ``deterministic=True`` makes the Triton backward atomic-free (bitwise repeatable); the reference always is.
+    With ``query_rstd`` (T, H) the first result is the gradient of the query norm's input (``query_norm``), not dq.
     """
     idx = limit_slots(indices, topk_length)
     rope = _rope(rope_positions, rope_inv_freq)
@@ -115,12 +121,15 @@ def sparse_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, kv: to
     with backend.exact_math(q.device):
         kernels = _kernels(q, impl)
         if kernels is not None:
-            grads = kernels[2](grad_out, q, kv, idx, attn_sink, out, lse, softmax_scale, deterministic, rope, slots)
+            grads = kernels[2](grad_out, q, kv, idx, attn_sink, out, lse, softmax_scale, deterministic, rope, slots,
+                               query_rstd)
         else:
             if rope is not None:
                 grad_out = apply_rope(grad_out, *rope)
             grads = reference_backward(grad_out, q, kv, Explicit(idx), attn_sink, lse, softmax_scale,
                                        mass_slots=slots)
+            if query_rstd is not None:
+                grads = (norm_input_grad(grads[0], q, query_rstd, rope), *grads[1:])
             grads = tuple(g.contiguous() for g in grads)
     return grads if slots else (*grads, _mass_like(q, 0))
 
@@ -133,15 +142,16 @@ def _mass_like(q: torch.Tensor, width: int) -> torch.Tensor:
 @sparse_attention_backward_op.register_fake
 def _sparse_attention_backward_fake(grad_out, q, kv, indices, attn_sink, out, lse, softmax_scale, topk_length,
                                     deterministic, impl, rope_positions=None, rope_inv_freq=None, mass_offset=0,
-                                    mass_width=0):
+                                    mass_width=0, query_rstd=None):
     return (q.new_empty(q.shape), kv.new_empty(kv.shape), attn_sink.new_empty(attn_sink.shape),
             _mass_like(q, mass_width))
 
 
 def _setup_context(ctx, inputs, output):
     (q, kv, indices, attn_sink, softmax_scale, topk_length, deterministic, impl, positions, inv_freq, probe,
-     mass_offset) = inputs
-    ctx.save_for_backward(q, kv, indices, attn_sink, output[0], output[1], topk_length, positions, inv_freq)
+     mass_offset, _query_input, query_rstd) = inputs
+    ctx.save_for_backward(q, kv, indices, attn_sink, output[0], output[1], topk_length, positions, inv_freq,
+                          query_rstd)
     ctx.softmax_scale, ctx.deterministic, ctx.impl = softmax_scale, deterministic, impl
     # The mass is formed only when the probe's channel is wanted (a probe that does not require grad costs nothing).
     ctx.mass_offset = mass_offset
@@ -150,14 +160,18 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, kv, indices, attn_sink, out, lse, topk_length, positions, inv_freq = ctx.saved_tensors
+    q, kv, indices, attn_sink, out, lse, topk_length, positions, inv_freq, query_rstd = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(q)
     dq, dkv, dsink, mass = sparse_attention_backward_op(grad_out, q, kv, indices, attn_sink, out, lse,
                                                         ctx.softmax_scale, topk_length, ctx.deterministic, ctx.impl,
-                                                        positions, inv_freq, ctx.mass_offset, ctx.mass_width)
+                                                        positions, inv_freq, ctx.mass_offset, ctx.mass_width,
+                                                        query_rstd)
+    # With query_norm the first gradient is the norm input's (q itself gets none).
+    dq, dx = (None, dq) if query_rstd is not None else (dq, None)
     # The probe's "gradient" is the teacher mass (a channel to the indexer KL's node, not a derivative).
-    return dq, dkv, None, dsink, None, None, None, None, None, None, mass if ctx.mass_width else None, None
+    return (dq, dkv, None, dsink, None, None, None, None, None, None, mass if ctx.mass_width else None, None, dx,
+            None)
 
 
 sparse_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -206,16 +220,43 @@ def run_lse(q, kv, indices, scale: float, impl: str) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def norm_input_grad(grad: torch.Tensor, q: torch.Tensor, rstd: torch.Tensor, rope) -> torch.Tensor:
+    """The gradient of the query norm's input from ``grad``, the gradient of its output ``q`` (reference formula;
+    ``rope``: the (positions, inv_freq) of q's rotation, or None)."""
+    if rope is None:
+        rope = (torch.zeros(q.shape[0], dtype=torch.int64, device=q.device),
+                torch.zeros(0, dtype=torch.float64, device=q.device))
+    return qnorm_rope_input_grad_reference(grad, q, rstd, *rope)
+
+
+class _NormedQuery(torch.autograd.Function):
+    """q as it is, with the gradient of the norm's input ``x`` (``query_norm`` on the reference's index-set path,
+    whose attention is plain autograd): the backward maps q's gradient to x's."""
+
+    @staticmethod
+    def forward(ctx, q, x, rstd, positions, inv_freq):
+        ctx.save_for_backward(q, rstd, positions, inv_freq)
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, rstd, positions, inv_freq = ctx.saved_tensors
+        return None, norm_input_grad(grad, q, rstd, _rope(positions, inv_freq)), None, None, None
+
+
 def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: bool, impl: str, output_rope=None,
-        mass_probe=None, mass_offset: int = 0):
+        mass_probe=None, mass_offset: int = 0, query_norm=None):
     """The op on backend ``impl`` for tensor or :class:`IndexSet` indices (arguments already checked);
     ``output_rope``: None or (positions, inv_freq) of the output's inverse RoPE; ``mass_probe`` / ``mass_offset``:
-    see :func:`sparse_attention_op`."""
+    see :func:`sparse_attention_op`; ``query_norm``: None or (x, rstd), the gradient goes to x instead of q."""
     positions, inv_freq = output_rope if output_rope is not None else (None, None)
+    x, rstd = query_norm if query_norm is not None else (None, None)
     with backend.exact_math(q.device):
         if isinstance(indices, IndexSet):
             index_set = indices if topk_length is None else _FirstSlots(indices, topk_length)
             if impl == "reference":                 # chunk by chunk: never materialises (T, K) indices
+                if query_norm is not None:
+                    q = _NormedQuery.apply(q, x, rstd, positions, inv_freq)
                 out, lse = sparse_attention_reference(q, kv, index_set, attn_sink, scale, mass_probe, mass_offset)
                 if _rope(positions, inv_freq) is not None:      # not differentiable in inv_freq, as the op
                     out = apply_rope(out, positions, inv_freq.detach(), inverse=True)
@@ -227,19 +268,20 @@ def run(q, kv, indices, attn_sink, scale: float, topk_length, deterministic: boo
             # copy of the whole of q per chunk, 2 GiB each at T = 32K with 64 heads of 512, even for q[0:T].
             sizes = [e - s for s, e in chunks]
             pieces = [q] if len(chunks) == 1 else q.split(sizes)
-            # The probe split the same way (its backward is one concatenation of the chunks' masses).
-            probes = ([None] * len(chunks) if mass_probe is None else [mass_probe] if len(chunks) == 1
-                      else mass_probe.split(sizes))
+            # The probe and the norm's input split the same way (their backwards are one concatenation each).
+            probes, inputs = ([None] * len(chunks) if t is None else [t] if len(chunks) == 1 else t.split(sizes)
+                              for t in (mass_probe, x))
             # int32 asked for and formed directly; .to() is free then, and keeps a subclass that ignores dtype safe.
             parts = [sparse_attention_op(piece, kv, index_set.rows(s, e, torch.int32).to(torch.int32), attn_sink,
                                          scale, None, deterministic, impl,
-                                         None if positions is None else positions[s:e], inv_freq, probe, mass_offset)
-                     for piece, probe, (s, e) in zip(pieces, probes, chunks)]
+                                         None if positions is None else positions[s:e], inv_freq, probe, mass_offset,
+                                         x_part, None if rstd is None else rstd[s:e])
+                     for piece, probe, x_part, (s, e) in zip(pieces, probes, inputs, chunks)]
             if len(parts) == 1:
                 return parts[0]
             return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
         return sparse_attention_op(q, kv, indices, attn_sink, scale, topk_length, deterministic, impl, positions,
-                                   inv_freq, mass_probe, mass_offset)
+                                   inv_freq, mass_probe, mass_offset, x, rstd)
 
 
 class _FirstSlots(IndexSet):

@@ -50,6 +50,7 @@ from .op import register_triton, run
 from .reference import check_mass_slots
 from .segment_sum import add_rows_by_key
 from . import gluon_hopper, gluon_hopper_bwd
+from ..qnorm_rope import triton as qnorm_rope_kernels
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -235,11 +236,11 @@ def _load_do(DO, offs, h_mask, COS, SIN, t, col0, D: tl.constexpr, ROPE: tl.cons
 
 @triton.jit
 def _sparse_attn_bwd_rows_kernel(
-    Q, KV, IDX, NEND, DO, DENOM2, DELTA, DQ, DKV, COS, SIN, MASS,
+    Q, KV, IDX, NEND, DO, DENOM2, DELTA, DQ, DKV, COS, SIN, MASS, RSTD,
     H, K, ROWS, KT, OFF, scale, qk_scale_log2, ROPE: tl.constexpr,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_HB: tl.constexpr, DOT_MODE: tl.constexpr,
     DO_DQ: tl.constexpr, DO_DKV: tl.constexpr, DETERMINISTIC: tl.constexpr,
-    RELAXED: tl.constexpr, DKV_BLOCK_D: tl.constexpr, DO_MASS: tl.constexpr = False,
+    RELAXED: tl.constexpr, DKV_BLOCK_D: tl.constexpr, DO_MASS: tl.constexpr = False, QNORM: tl.constexpr = False,
 ):
     # One program per (query row, head block) over all D columns: q, dO and Delta (rowsum(dO * out), formed by
     # the pre-pass) are loaded once, before the loop, and each gathered BLOCK_N x D kv tile is loaded once and serves
@@ -255,6 +256,10 @@ def _sparse_attn_bwd_rows_kernel(
     # DO_MASS: also stores the head block's sum of p over slots OFF .. OFF + KT (the sparse indexer KL's teacher
     # mass) into its plane of MASS (ROWS, NUM_HB, KT) fp32; tiles past the row's last valid slot are not visited
     # (the caller's zeros stay there).
+    # QNORM (the query_norm of the op): q is qnorm_rope(x) with RSTD (ROWS, H) fp32 its rstd, and DQ receives the
+    # gradient of x: dq's epilogue applies the norm's backward, rstd * R(-angle) (g - q * mean(g * q)) with g the
+    # gradient of q (mean(g * q) is the same in either frame: a rotation keeps dot products), instead of a pass of
+    # its own reading g and q again. The RoPE channels use COS / SIN: the query's angle is the output's.
     pid = tl.program_id(0)
     hb = pid % NUM_HB
     t = (pid // NUM_HB).to(tl.int64)
@@ -311,7 +316,18 @@ def _sparse_attn_bwd_rows_kernel(
                         dkv += dot(p_t, do_c, DOT_MODE)
                         _put_dkv(DKV, dkv, row_off, slot, valid, n < K, offs_c, D, DETERMINISTIC, RELAXED)
         if DO_DQ:
-            tl.store(DQ + head_off, round_to(dq * scale, DQ, DOT_MODE == 2), mask=h_mask[:, None])
+            dq = dq * scale
+            if QNORM:
+                qf = q_all.to(tl.float32)
+                mean_gq = tl.sum(dq * qf, axis=1) / D
+                rstd = tl.load(RSTD + t * H + offs_h, mask=h_mask, other=0.0)
+                dq = rstd[:, None] * (dq - qf * mean_gq[:, None])
+                if ROPE > 0:
+                    j, rot = rope_pairs(0, D, D, ROPE)
+                    cos = tl.load(COS + t * ROPE + j, mask=rot, other=1.0)
+                    sin = tl.load(SIN + t * ROPE + j, mask=rot, other=0.0)
+                    dq = rotate_pairs(dq, cos[None, :], -sin[None, :], rot[None, :])
+            tl.store(DQ + head_off, round_to(dq, DQ, DOT_MODE == 2), mask=h_mask[:, None])
 
 
 def _block_h(H: int) -> int:
@@ -447,7 +463,7 @@ def backward_kernel(q: torch.Tensor) -> str:
 
 
 def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, deterministic=False, rope=None,
-                     mass_slots=None):
+                     mass_slots=None, query_rstd=None):
     """Returns dq (T, H, D) q.dtype, dkv (N, D) fp32, d_sink (H,) fp32; with ``mass_slots = (offset, width)`` also,
     fourth, the (T, width) fp32 head-summed probabilities of slots offset .. offset + width (the sparse indexer KL's
     teacher mass, :func:`.reference.reference_backward`'s), formed by either backward kernel from its probabilities.
@@ -457,6 +473,9 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
     the kernels rotate dO forward as they load it (the gradient of the attention's own output, rounded to its dtype).
     ``config``: a BWD_CONFIGS-style dict (its ``LAYOUT`` picks the Triton launches; a config forces the Triton
     kernel); ``deterministic``: no float atomics, bitwise-identical results for identical inputs (module docstring).
+    ``query_rstd``: (T, H) fp32, q is ``qnorm_rope(x)`` with that rstd and the rotation of ``rope`` (none without):
+    the first result is then the gradient of x (the Triton kernel's dq epilogue applies the norm's backward; after
+    the Gluon kernel, :func:`dsv4attn.ops.qnorm_rope.triton._qnorm_rope_bwd` on its dq, a pass of its own).
     """
     T, H, D = q.shape
     gluon = T > 0 and config is None and backward_kernel(q) == "gluon"
@@ -477,7 +496,11 @@ def _sparse_attn_bwd(q, kv, idx, sink, out, lse, grad_out, scale, config=None, d
             if not isinstance(layout, BwdLayout):
                 raise TypeError(f"backward config LAYOUT must be a BwdLayout (FUSED or SPLIT), got {layout!r}")
             mass = _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, layout,
-                             rope, mass_slots)
+                             rope, mass_slots, query_rstd)
+        elif query_rstd is not None:
+            # The Gluon kernel has no norm epilogue yet: the norm's backward as a pass of its own.
+            cos, sin = rope if rope is not None else (q.new_empty(T, 0, dtype=torch.float32),) * 2
+            dq = qnorm_rope_kernels._qnorm_rope_bwd(dq, q, query_rstd, cos, sin)
     # d_sink = -sum_t p_sink * Delta; p_sink = 0 where the sink is -inf (also on empty rows, where denom = -inf).
     p_sink = torch.where(denom == float("-inf"), 0.0, torch.exp(sink[None, :] - denom))
     d_sink = -(p_sink * delta).sum(0)
@@ -519,10 +542,11 @@ def _deterministic_rows(T: int, num_hb: int, K: int, D: int) -> int:
 
 
 def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deterministic, layout: BwdLayout,
-              rope=None, mass_slots=None):
+              rope=None, mass_slots=None, query_rstd=None):
     """The launches of ``layout`` (:func:`_sparse_attn_bwd_rows_kernel`), in order. ``mass_slots = (offset,
     width)``: the launch that forms dq also stores each head block's sum of p over those slots; returns their sum
-    over head blocks, (T, width) fp32 (None without ``mass_slots``)."""
+    over head blocks, (T, width) fp32 (None without ``mass_slots``). ``query_rstd``: that launch writes the gradient
+    of the normalised query's input instead of dq (the kernel's QNORM)."""
     T, H, D = q.shape
     cos, sin, pairs = _tables(q, rope)
     K = idx.shape[1]
@@ -542,12 +566,16 @@ def _rows_bwd(q, kv, idx, grad_out, denom2, delta, dq, dkv, scale, config, deter
             planes = torch.zeros(T, num_hb, width, dtype=torch.float32, device=q.device)
             cfg.update(DO_MASS=True)
         mass_arg = planes if cfg.get("DO_MASS") else denom2       # never touched without DO_MASS
+        if query_rstd is not None and "DQ" in parts:
+            cfg.update(QNORM=True)
+        rstd_arg = query_rstd if cfg.get("QNORM") else denom2      # never touched without QNORM
 
         def launch(s, e, buf, det):
             cfg_det = dict(cfg, DETERMINISTIC=det)
             _launch(_sparse_attn_bwd_rows_kernel, lambda grid, meta: grid, q[s:e], cfg_det,
                     (q[s:e], kv_read, idx[s:e], n_end[s:e], grad_out[s:e], denom2[s:e], delta[s:e], dq[s:e], buf,
-                     cos[s:e], sin[s:e], mass_arg[s:e], H, K, e - s, width, offset, scale, scale * LOG2E, pairs))
+                     cos[s:e], sin[s:e], mass_arg[s:e], rstd_arg[s:e], H, K, e - s, width, offset, scale,
+                     scale * LOG2E, pairs))
 
         if "DKV" in parts and deterministic:
             rows = _deterministic_rows(T, num_hb, K, D)
@@ -578,16 +606,18 @@ def triton_forward(q, kv, idx, attn_sink, scale: float, rope=None):
 
 
 def triton_backward(grad_out, q, kv, idx, attn_sink, out, lse, scale: float, deterministic: bool, rope=None,
-                    mass_slots=None):
+                    mass_slots=None, query_rstd=None):
     """The registered op's backward on this backend: dq ``q.dtype``, dkv ``kv.dtype``, d_sink ``attn_sink.dtype``;
-    with ``mass_slots = (offset, width)`` also the (T, width) fp32 teacher mass (:func:`_sparse_attn_bwd`)."""
+    with ``mass_slots = (offset, width)`` also the (T, width) fp32 teacher mass (:func:`_sparse_attn_bwd`); with
+    ``query_rstd`` (T, H) fp32 the first result is the gradient of the query norm's input (:func:`_sparse_attn_bwd`)."""
     q, kv = q.contiguous(), kv.contiguous()
     idx = idx.to(torch.int32).contiguous()
     grad_out = torch.zeros_like(q) if grad_out is None else grad_out.to(q.dtype).contiguous()
     tables = None if rope is None else rope_tables(*rope)
     dq, dkv, d_sink, *mass = _sparse_attn_bwd(q, kv, idx, attn_sink.float().contiguous(), out.contiguous(),
                                               lse.contiguous(), grad_out, scale, deterministic=deterministic,
-                                              rope=tables, mass_slots=mass_slots)
+                                              rope=tables, mass_slots=mass_slots,
+                                              query_rstd=None if query_rstd is None else query_rstd.contiguous())
     return (dq, dkv.to(kv.dtype), d_sink.to(attn_sink.dtype), *mass)
 
 
@@ -619,7 +649,8 @@ def triton_lse(q, kv, idx, scale: float) -> torch.Tensor:
 
 def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor | IndexSet,
                             attn_sink: torch.Tensor, scale: float, *, topk_length: torch.Tensor | None = None,
-                            deterministic: bool = False, output_rope=None, mass_probe=None, mass_offset: int = 0):
+                            deterministic: bool = False, output_rope=None, mass_probe=None, mass_offset: int = 0,
+                            query_norm=None):
     """Triton implementation behind :func:`dsv4attn.ops.sparse_attention` (arguments already checked).
 
     Args:
@@ -633,6 +664,8 @@ def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Te
         deterministic: backward without float atomics (bitwise repeatable).
         output_rope: None or (positions, inv_freq): the output's inverse RoPE, in the forward's epilogue.
         mass_probe, mass_offset: the teacher mass's channel (:func:`dsv4attn.ops.sparse_attention`).
+        query_norm: None or (x, rstd): the gradient goes to the query norm's input x
+            (:func:`dsv4attn.ops.sparse_attention`).
     Returns:
         out (T, H, D) ``q.dtype`` (0 for rows without a valid index) and lse (T, H) fp32, natural log, excluding
         the sink, ``-inf`` for empty rows. Differentiable in q, kv and attn_sink.
@@ -643,7 +676,7 @@ def sparse_attention_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Te
     """
     impl = "triton" if kernel_supports(q) and kv.shape[0] > 0 else "reference"
     return run(q, kv, indices, attn_sink, float(scale), topk_length, deterministic, impl, output_rope, mass_probe,
-               mass_offset)
+               mass_offset, query_norm)
 
 
 variants.register(
