@@ -41,6 +41,9 @@ FREE = {"aten.view.default", "aten.t.default", "aten.transpose.int", "aten.permu
         "aten.squeeze.dims", "aten.as_strided.default", "aten.select.int", "aten.detach.default", "aten.alias.default",
         "aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default", "aten.empty_strided.default",
         "aten.split_with_sizes.default", "aten.split.Tensor", "aten.lift_fresh.default", "aten.unbind.int"}
+# Ops that write their output without reading their tensor arguments (those give only a shape, dtype or device).
+WRITE_ONLY = {"aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default", "aten.zeros_like.default",
+              "aten.ones_like.default", "aten.full_like.default"}
 
 
 def _bytes(t) -> int:
@@ -60,7 +63,7 @@ class OpLog(TorchDispatchMode):
         name = str(func)
         if name in FREE or name.startswith("prim."):
             return out
-        ins = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        ins = [] if name in WRITE_ONLY else [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         flop = 0
         if name in MATMULS:

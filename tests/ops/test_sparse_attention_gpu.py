@@ -138,6 +138,47 @@ def test_kernel_matches_float64_reference_v4(v4_case, deterministic, forward_imp
     assert not failures, "; ".join(failures)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_query_norm_matches_float64_reference_v4(deterministic, forward_impl):
+    """``query_norm``: the gradient of the norm's input (the Triton backward's dq epilogue; after the Gluon backward,
+    the norm's backward as a pass of its own) within 3x the bf16 composition qnorm_rope -> attention's own error,
+    the output rotated back by the same angles (V4's 32 pairs); out and lse as without ``query_norm``."""
+    from dsv4attn.ops.qnorm_rope import qnorm_rope, qnorm_rope_stats
+    from dsv4attn.rope import rope_frequencies
+    x, kv, idx, sink, grad_out, _ = make_inputs(**SMALLER, seed=3)
+    x = x * 3
+    rope = (torch.arange(SMALLER["T"], device="cuda") * 7, rope_frequencies(64, 10000.0).cuda())
+
+    def grads(x_, kv_, s_, in_op):
+        x_, kv_, s_ = (t.detach().clone().requires_grad_(True) for t in (x_, kv_, s_))
+        if in_op:
+            q, rstd = qnorm_rope_stats(x_, *rope, 1e-6)
+            out, lse = sparse_attention(q, kv_, idx, s_, output_rope=rope, query_norm=(x_, rstd),
+                                        deterministic=deterministic)
+        else:
+            out, lse = sparse_attention(qnorm_rope(x_, *rope, 1e-6), kv_, idx, s_, output_rope=rope)
+        out.backward(grad_out.to(out.dtype))
+        torch.cuda.synchronize()
+        return [t.detach().double() for t in (out, lse, x_.grad, kv_.grad, s_.grad)]
+
+    kernel = grads(x, kv, sink, True)
+    _assert_backward_ran(forward_impl, x)
+    without = grads(x, kv, sink, False)
+    backend.set_backend("reference")
+    low = grads(x, kv, sink, False)
+    exact = grads(x.double(), kv.double(), sink.double(), False)
+    backend.set_backend(None)
+    assert torch.equal(kernel[0], without[0]) and torch.equal(kernel[1], without[1])
+    failures = []
+    for name, k, r, e in zip(("out", "lse", "dx", "dkv", "d_sink"), kernel, low, exact):
+        finite = torch.isfinite(e)
+        err_k, err_r = (k - e)[finite].abs().max().item(), (r - e)[finite].abs().max().item()
+        bound = (2.0 if name in ("out", "lse") else 3.0) * err_r + 1e-6 * e[finite].abs().max().item()
+        if not err_k <= bound:
+            failures.append(f"{name}: kernel error {err_k:.3e} > bound {bound:.3e} (reference bf16 {err_r:.3e})")
+    assert not failures, "; ".join(failures)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Determinism
 
