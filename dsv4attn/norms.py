@@ -9,7 +9,7 @@ import torch
 CHUNK_ELEMENTS = 1 << 24
 
 
-def _chunks(x: torch.Tensor):
+def row_chunks(x: torch.Tensor):
     """(start, end) row ranges of ``x`` holding at most ``CHUNK_ELEMENTS`` elements each (at least one row)."""
     per_row = max(x[0].numel(), 1) if x.shape[0] else 1
     step = max(1, CHUNK_ELEMENTS // per_row)
@@ -27,7 +27,7 @@ class _UnweightedRMSNorm(torch.autograd.Function):
         cd = torch.promote_types(x.dtype, torch.float32)
         out = torch.empty_like(x)
         rstd = torch.empty(x.shape[:-1] + (1,), dtype=cd, device=x.device)
-        for s, e in _chunks(x):
+        for s, e in row_chunks(x):
             xf = x[s:e].to(cd)
             rstd[s:e] = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
             out[s:e] = xf * rstd[s:e]
@@ -38,7 +38,7 @@ class _UnweightedRMSNorm(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, rstd = ctx.saved_tensors
         dx = torch.empty_like(x)
-        for s, e in _chunks(x):
+        for s, e in row_chunks(x):
             xf, gf, r = x[s:e].to(rstd.dtype), grad[s:e].to(rstd.dtype), rstd[s:e]
             # d/dx_j of x_i * r with r = (mean(x^2) + eps)^-1/2:  r * g_j - r^3 * x_j * mean(g * x)
             dx[s:e] = r * gf - r.pow(3) * xf * (gf * xf).mean(-1, keepdim=True)

@@ -14,8 +14,8 @@ from ..packing import PackedBatch, cached
 from ..parallel.setup import halo_rows, layer_frame
 from ..parallel.tensor import TensorParallel
 from ..rope import layer_rope_frequencies
-from .common import (AttachLoss, GroupedLinear, KeepFp32Params, RMSNorm, can_project_together, is_sharded,
-                     project_together, rope_rows)
+from .common import (AttachLoss, GradientHandle, GroupedLinear, KeepFp32Params, RMSNorm, can_project_together,
+                     is_sharded, project_together, rope_rows)
 from .compressor import Compressor
 from .indexer import Indexer
 
@@ -357,13 +357,15 @@ class HybridAttention(KeepFp32Params):
         """(qr, q, query_norm): the normalised low-rank query (T, q_lora_rank), the RoPE'd queries (T, H, head_dim)
         without a graph of their own, and ``(queries before the norm, rstd)`` for ``sparse_attention(...,
         query_norm=)``, whose backward gives the gradient of those (the norm's backward inside the attention's,
-        not a pass of its own over dq and q); ``q_a``: ``q_a_proj(x)`` if the caller formed it."""
+        not a pass of its own over dq and q); the queries before the norm as a :class:`.common.GradientHandle`
+        (the op never reads them: their storage is freed here, as when the norm was its own node); ``q_a``:
+        ``q_a_proj(x)`` if the caller formed it."""
         c = self.config
         qr = self.q_a_norm(self.q_a_proj(x) if q_a is None else q_a)
         q = self.q_b_proj(self.tp.copy(qr)).view(x.shape[0], self.local_heads, c.head_dim)
         # per-head RMSNorm, then RoPE (docs/semantics.md, "Query path")
         q_normed, rstd = qnorm_rope_stats(q, positions, inv_freq, c.rms_norm_eps)
-        return qr, q_normed, (q, rstd)
+        return qr, q_normed, (GradientHandle.apply(q), rstd)
 
     @torch.no_grad()
     def _outside_lse(self, q, kv, window):

@@ -227,6 +227,21 @@ class _ProjectTogether(torch.autograd.Function):
         return (dx, *dws)
 
 
+class GradientHandle(torch.autograd.Function):
+    """A stand-in for ``x`` with its shape and dtype and none of its storage (zeros, expanded from one element) that
+    passes its gradient to ``x`` unchanged: for an argument an op takes only to return its gradient (the queries
+    before the norm in ``sparse_attention(..., query_norm=)``), so that ``x`` is freed once the caller drops it
+    instead of staying alive until the op runs (2 GiB at T = 32K, 64 heads of 512)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(()).expand(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad
+
+
 class AttachLoss(torch.autograd.Function):
     """Identity on ``out``; its backward also feeds gradient 1 into ``loss`` (Megatron's loss auto-scaler).
 

@@ -228,3 +228,16 @@ def test_project_together_is_refused_where_the_modules_must_run_themselves():
         assert not can_project_together(x, ms)
         assert can_project_together(x.float(), _linears(8, 4, dtype=torch.float32))
     assert can_project_together(x, ms)
+
+
+def test_gradient_handle_holds_no_storage_and_passes_the_gradient():
+    """``GradientHandle``: x's shape and dtype, one element of storage, x's gradient unchanged through it (what lets
+    the layer free the queries before the norm once ``qnorm_rope_stats`` has read them)."""
+    from dsv4attn.layers.common import GradientHandle
+    x = torch.randn(5, 3, 8, dtype=torch.float64, requires_grad=True)
+    handle = GradientHandle.apply(x * 1.0)
+    assert handle.shape == x.shape and handle.dtype == x.dtype and handle.requires_grad
+    assert handle.untyped_storage().nbytes() == x.element_size()
+    g = torch.randn_like(x)
+    torch.autograd.backward(handle, g)
+    assert torch.equal(x.grad, g)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ...norms import rms_norm_unweighted
+from ...norms import rms_norm_unweighted, row_chunks
 from ...rope import apply_rope
 
 
@@ -26,21 +26,27 @@ def qnorm_rope_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: tor
 
 def rstd_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
     """(T, H) ``1 / sqrt(mean(x^2) + eps)`` over each head's channels, in fp32 (fp64 for fp64 ``x``): the statistic
-    :func:`dsv4attn.norms.rms_norm_unweighted` forms."""
+    :func:`dsv4attn.norms.rms_norm_unweighted` forms, in the same chunks of rows (bounded fp32 temporaries)."""
     cd = torch.promote_types(x.dtype, torch.float32)
-    return torch.rsqrt(x.to(cd).pow(2).mean(-1) + eps)
+    rstd = torch.empty(x.shape[:-1], dtype=cd, device=x.device)
+    for s, e in row_chunks(x):
+        rstd[s:e] = torch.rsqrt(x[s:e].to(cd).pow(2).mean(-1) + eps)
+    return rstd
 
 
 def qnorm_rope_input_grad_reference(grad: torch.Tensor, q: torch.Tensor, rstd: torch.Tensor, positions: torch.Tensor,
                                     inv_freq: torch.Tensor) -> torch.Tensor:
     """d x of ``qnorm_rope_reference`` from its output ``q``, the output's gradient ``grad`` and ``rstd`` (T, H):
     ``rstd * (dy - y * mean(dy * y))`` with ``dy`` and ``y = x * rstd`` rotated back by ``-angle`` from ``grad`` and
-    ``q``, in ``rstd``'s dtype, rounded once to ``q.dtype``."""
+    ``q``, in ``rstd``'s dtype (chunks of rows), rounded once to ``q.dtype``."""
     cd = rstd.dtype
-    dy = apply_rope(grad.to(cd), positions, inv_freq, inverse=True)
-    y = apply_rope(q.to(cd), positions, inv_freq, inverse=True)
-    r = rstd[..., None]
-    return (r * (dy - y * (dy * y).mean(-1, keepdim=True))).to(q.dtype)
+    dx = torch.empty_like(q)
+    for s, e in row_chunks(q):
+        dy = apply_rope(grad[s:e].to(cd), positions[s:e], inv_freq, inverse=True)
+        y = apply_rope(q[s:e].to(cd), positions[s:e], inv_freq, inverse=True)
+        r = rstd[s:e, ..., None]
+        dx[s:e] = r * (dy - y * (dy * y).mean(-1, keepdim=True))
+    return dx
 
 
 def rope_rotate_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
