@@ -235,6 +235,38 @@ def _load_do(DO, offs, h_mask, COS, SIN, t, col0, D: tl.constexpr, ROPE: tl.cons
 
 
 @triton.jit
+def _norm_backward_rows(Q, DQ, RSTD, COS, SIN, t, H, offs_h, h_mask, D: tl.constexpr, ROPE: tl.constexpr,
+                        DOT_MODE: tl.constexpr):
+    """The program's heads of row t of DQ, g (the gradient of q, as stored), replaced in place by the gradient of
+    the query norm's input: ``rstd * R(-angle)(g - q * mean(g * q))`` (the mean is the same in either frame: a
+    rotation keeps dot products; the RoPE channels turn by the output's angle, COS / SIN). In 64-column chunks read
+    back from DQ and Q (this program's own rows, just written and read: cache hits), so the (heads, D) dq accumulator
+    is no longer live (at D = 512 the whole tile corrected in registers added ~900 bytes of spills to the dq launch,
+    offline sm_90 builds); g as stored (rounded), as the norm's own backward pass reads it."""
+    CHUNK: tl.constexpr = 64 if D >= 64 else D
+    row = t * H * D + offs_h[:, None] * D
+    gq = tl.zeros([offs_h.shape[0]], tl.float32)
+    for c0 in tl.static_range(0, D, CHUNK):
+        offs = row + (c0 + tl.arange(0, CHUNK))[None, :]
+        g = tl.load(DQ + offs, mask=h_mask[:, None], other=0.0).to(tl.float32)
+        q = tl.load(Q + offs, mask=h_mask[:, None], other=0.0).to(tl.float32)
+        gq += tl.sum(g * q, axis=1)
+    mean = gq / D
+    rstd = tl.load(RSTD + t * H + offs_h, mask=h_mask, other=0.0)
+    for c0 in tl.static_range(0, D, CHUNK):
+        offs = row + (c0 + tl.arange(0, CHUNK))[None, :]
+        g = tl.load(DQ + offs, mask=h_mask[:, None], other=0.0).to(tl.float32)
+        q = tl.load(Q + offs, mask=h_mask[:, None], other=0.0).to(tl.float32)
+        dx = rstd[:, None] * (g - q * mean[:, None])
+        if ROPE > 0 and c0 + CHUNK > D - 2 * ROPE:
+            j, rot = rope_pairs(c0, CHUNK, D, ROPE)
+            cos = tl.load(COS + t * ROPE + j, mask=rot, other=1.0)
+            sin = tl.load(SIN + t * ROPE + j, mask=rot, other=0.0)
+            dx = rotate_pairs(dx, cos[None, :], -sin[None, :], rot[None, :])
+        tl.store(DQ + offs, round_to(dx, DQ, DOT_MODE == 2), mask=h_mask[:, None])
+
+
+@triton.jit
 def _sparse_attn_bwd_rows_kernel(
     Q, KV, IDX, NEND, DO, DENOM2, DELTA, DQ, DKV, COS, SIN, MASS, RSTD,
     H, K, ROWS, KT, OFF, scale, qk_scale_log2, ROPE: tl.constexpr,
@@ -257,9 +289,8 @@ def _sparse_attn_bwd_rows_kernel(
     # mass) into its plane of MASS (ROWS, NUM_HB, KT) fp32; tiles past the row's last valid slot are not visited
     # (the caller's zeros stay there).
     # QNORM (the query_norm of the op): q is qnorm_rope(x) with RSTD (ROWS, H) fp32 its rstd, and DQ receives the
-    # gradient of x: dq's epilogue applies the norm's backward, rstd * R(-angle) (g - q * mean(g * q)) with g the
-    # gradient of q (mean(g * q) is the same in either frame: a rotation keeps dot products), instead of a pass of
-    # its own reading g and q again. The RoPE channels use COS / SIN: the query's angle is the output's.
+    # gradient of x: after dq is stored, the program applies the norm's backward to its own rows
+    # (:func:`_norm_backward_rows`) instead of a pass of its own over all of dq and q after the kernel.
     pid = tl.program_id(0)
     hb = pid % NUM_HB
     t = (pid // NUM_HB).to(tl.int64)
@@ -316,18 +347,10 @@ def _sparse_attn_bwd_rows_kernel(
                         dkv += dot(p_t, do_c, DOT_MODE)
                         _put_dkv(DKV, dkv, row_off, slot, valid, n < K, offs_c, D, DETERMINISTIC, RELAXED)
         if DO_DQ:
-            dq = dq * scale
+            tl.store(DQ + head_off, round_to(dq * scale, DQ, DOT_MODE == 2), mask=h_mask[:, None])
             if QNORM:
-                qf = q_all.to(tl.float32)
-                mean_gq = tl.sum(dq * qf, axis=1) / D
-                rstd = tl.load(RSTD + t * H + offs_h, mask=h_mask, other=0.0)
-                dq = rstd[:, None] * (dq - qf * mean_gq[:, None])
-                if ROPE > 0:
-                    j, rot = rope_pairs(0, D, D, ROPE)
-                    cos = tl.load(COS + t * ROPE + j, mask=rot, other=1.0)
-                    sin = tl.load(SIN + t * ROPE + j, mask=rot, other=0.0)
-                    dq = rotate_pairs(dq, cos[None, :], -sin[None, :], rot[None, :])
-            tl.store(DQ + head_off, round_to(dq, DQ, DOT_MODE == 2), mask=h_mask[:, None])
+                tl.debug_barrier()              # the other threads' dq columns, read back below
+                _norm_backward_rows(Q, DQ, RSTD, COS, SIN, t, H, offs_h, h_mask, D, ROPE, DOT_MODE)
 
 
 def _block_h(H: int) -> int:
