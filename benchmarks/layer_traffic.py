@@ -47,7 +47,11 @@ WRITE_ONLY = {"aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.
 
 
 def _bytes(t) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    if not isinstance(t, torch.Tensor):
+        return 0
+    if 0 in t.stride() and t.numel() > 1:      # an expanded tensor (e.g. layers.common.GradientHandle) holds less
+        return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+    return t.numel() * t.element_size()
 
 
 class OpLog(TorchDispatchMode):
