@@ -53,7 +53,9 @@ def interpreter_problem() -> str | None:
 class _Background:
     """Interpreter workers started when the session's tests are known (tests/conftest.py), so that they run on the
     machine's other cores while the parent process runs the other tests: the six workers are most of the suite's
-    CPU time. One runs at a time per spare core, in the order the tests will ask for them."""
+    CPU time. One runs at a time per spare core, in the order the tests will ask for them; a worker still queued when
+    its tests come is run by the test process itself (:meth:`take` hands it back), which has nothing else to do then,
+    so that two run at once on a 2-core machine instead of one beside an idle parent."""
 
     def __init__(self):
         self.jobs: dict[str, dict] = {}
@@ -63,15 +65,17 @@ class _Background:
     def start(self, modules: list[str], slots: int, timeout: int) -> None:
         gate = threading.Semaphore(max(1, slots))
         for module in modules:
-            job = self.jobs[module] = dict(done=threading.Event(), proc=None, result=None)
+            job = self.jobs[module] = dict(done=threading.Event(), proc=None, result=None, started=False,
+                                           claimed=False)
             threading.Thread(target=self._run, args=(module, job, gate, timeout), daemon=True).start()
 
     def _run(self, module: str, job: dict, gate: threading.Semaphore, timeout: int) -> None:
         with gate:
             try:
                 with self.lock:
-                    if self.stopped:
+                    if self.stopped or job["claimed"]:
                         return
+                    job["started"] = True
                     job["proc"] = subprocess.Popen(_command(module), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                                                    stderr=subprocess.PIPE, text=True)
                 out, err = job["proc"].communicate(timeout=timeout)
@@ -85,10 +89,14 @@ class _Background:
 
     def take(self, module: str):
         """(returncode, stdout, stderr) of the background run of ``module``, waiting for it; None if none was
-        started."""
+        started (the caller runs it: a queued run is withdrawn)."""
         job = self.jobs.pop(module, None)
         if job is None:
             return None
+        with self.lock:
+            if not job["started"]:
+                job["claimed"] = True
+                return None
         job["done"].wait()
         if isinstance(job["result"], BaseException):
             raise job["result"]
