@@ -8,25 +8,15 @@ import torch
 
 
 def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs, by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs, by CUDA events, each run timed alone
+    after a synchronisation (so the host's time before its first kernel counts)."""
+    return back_to_back_ms(fn, calls=1, rounds=reps, warmup=warmup)
 
 
-def back_to_back_ms(fn, calls: int = 20, rounds: int = 5) -> float:
+def back_to_back_ms(fn, calls: int = 20, rounds: int = 5, warmup: int = 3) -> float:
     """Median milliseconds per call of ``calls`` calls of ``fn()`` between two events (no synchronisation between
-    them: the host runs ahead of the GPU, as in a training step), over ``rounds`` rounds."""
-    for _ in range(3):
+    them: the host runs ahead of the GPU, as in a training step), over ``rounds`` rounds after ``warmup`` calls."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
